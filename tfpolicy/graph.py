@@ -1,0 +1,172 @@
+"""A small mutable graph view with automatic use-def information.
+
+One :class:`Graph` holds either a signature's inlined top-level graph or the
+body of one library function (a While/If body). Inputs are always in the flat
+``node:idx`` form (see :mod:`tfpolicy.tf_names`); function arguments are nodes
+of op ``_Arg`` and function results are listed in :attr:`Graph.outputs`, so that
+passes treat both kinds of graph alike.
+
+Consumers are never kept by hand: :meth:`Graph.uses` is derived from the inputs
+and recomputed after any edit.
+
+    g = Graph.from_...(...)
+    cast = g.add_node("Cast", "dense/tfpolicy/Cast", [str(ref)], {...})
+    g.replace_input(consumer, 0, TensorRef(cast.name))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Iterable, Iterator, Mapping, Optional
+
+from tensorflow.core.framework import attr_value_pb2, op_def_pb2
+
+from tfpolicy import tf_names
+from tfpolicy.tf_names import TensorRef
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Node:
+    name: str
+    op: str
+    inputs: list[str]
+    attrs: dict[str, attr_value_pb2.AttrValue]
+    device: str = ""
+
+    def data_inputs(self) -> Iterator[tuple[int, TensorRef]]:
+        """``(position, TensorRef)`` for each data (non-control) input."""
+        position = 0
+        for text in self.inputs:
+            ref, _ = tf_names.parse_input(text)
+            if ref is not None:
+                yield position, ref
+                position += 1
+
+    def control_inputs(self) -> list[str]:
+        return [text[1:] for text in self.inputs if text.startswith("^")]
+
+
+class Graph:
+    """Nodes in insertion order, the graph's outputs, and a name authority."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        library: Mapping[str, op_def_pb2.OpDef] | None = None,
+        is_function: bool = False,
+    ) -> None:
+        self.name = name
+        self.is_function = is_function
+        self.nodes: dict[str, Node] = {}
+        # Output key -> tensor. Signature graphs: output tensor names in order;
+        # function graphs: the FunctionDef's ret map.
+        self.outputs: dict[str, TensorRef] = {}
+        self.library: Mapping[str, op_def_pb2.OpDef] = library or {}
+        self._uses: Optional[dict[str, list[tuple[str, int]]]] = None
+
+    # -- construction --------------------------------------------------------
+
+    def unique_name(self, base: str) -> str:
+        """A node name not yet used in this graph, derived from ``base``."""
+        if base not in self.nodes:
+            return base
+        suffix = 1
+        while f"{base}_{suffix}" in self.nodes:
+            suffix += 1
+        return f"{base}_{suffix}"
+
+    def add_node(
+        self,
+        op: str,
+        name: str,
+        inputs: Iterable[str],
+        attrs: Mapping[str, attr_value_pb2.AttrValue],
+        device: str = "",
+    ) -> Node:
+        node = Node(self.unique_name(name), op, list(inputs), dict(attrs), device)
+        self.nodes[node.name] = node
+        self._uses = None
+        return node
+
+    # -- queries -------------------------------------------------------------
+
+    def producer(self, ref: TensorRef) -> Node:
+        return self.nodes[ref.node]
+
+    def output_slots(self, node: Node) -> list[tf_names.ArgSlot]:
+        return tf_names.output_slots(node.op, node.attrs, self.library)
+
+    def output_dtypes(self, node: Node) -> list[int]:
+        return tf_names.flat_dtypes(self.output_slots(node))
+
+    def input_dtypes(self, node: Node) -> list[int]:
+        return tf_names.flat_dtypes(tf_names.input_slots(node.op, node.attrs, self.library))
+
+    def tensor_dtype(self, ref: TensorRef) -> int:
+        return self.output_dtypes(self.producer(ref))[ref.index]
+
+    def uses(self, ref: TensorRef) -> list[tuple[str, int]]:
+        """``(consumer node, data input position)`` for each data use of ``ref``."""
+        if self._uses is None:
+            table: dict[str, list[tuple[str, int]]] = {}
+            for node in self.nodes.values():
+                for position, used in node.data_inputs():
+                    table.setdefault(str(used), []).append((node.name, position))
+            self._uses = table
+        return list(self._uses.get(str(ref), ()))
+
+    def topological_order(self) -> list[Node]:
+        """Nodes with every producer (data and control) before its consumers."""
+        order: list[Node] = []
+        state: dict[str, int] = {}
+        for root in self.nodes:
+            if root in state:
+                continue
+            stack = [(root, False)]
+            while stack:
+                name, done = stack.pop()
+                if done:
+                    state[name] = 2
+                    order.append(self.nodes[name])
+                    continue
+                if state.get(name):
+                    continue
+                state[name] = 1
+                stack.append((name, True))
+                for text in reversed(self.nodes[name].inputs):
+                    ref, control = tf_names.parse_input(text)
+                    dep = ref.node if ref is not None else control
+                    if dep in self.nodes and not state.get(dep):
+                        stack.append((dep, False))
+        return order
+
+    # -- edits ---------------------------------------------------------------
+
+    def replace_input(self, consumer: Node, position: int, new: TensorRef) -> None:
+        """Point data input ``position`` of ``consumer`` at ``new``."""
+        seen = 0
+        for i, text in enumerate(consumer.inputs):
+            if text.startswith("^"):
+                continue
+            if seen == position:
+                consumer.inputs[i] = str(new)
+                self._uses = None
+                return
+            seen += 1
+        raise IndexError(f"node '{consumer.name}' has no data input {position}")
+
+    def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> None:
+        for consumer, position in self.uses(old):
+            self.replace_input(self.nodes[consumer], position, new)
+        for key, ref in self.outputs.items():
+            if ref == old:
+                self.outputs[key] = new
+        self._uses = None
+
+    def invalidate(self) -> None:
+        """Call after editing a node's inputs in place."""
+        self._uses = None

@@ -1,0 +1,253 @@
+"""Attribute every op and variable of a SavedModel to a layer path.
+
+Keras layer paths (``dense_1``, ``mha/query``, ``seq/dense``) are what a policy
+map is keyed on, but the graph carries uniquified name scopes instead::
+
+    variable  dense_1/kernel:0                      -> layer dense_1
+    op        StatefulPartitionedCall/mlp_1/dense_1_2/MatMul
+                                     ^^^^^ ^^^^^^^^^  model scope, layer scope
+
+Attribution follows the data first: an op that reads a variable (through a
+captured resource, Identity chains and function arguments) belongs to the
+variable's layer, and the scope it sits in is learnt as that layer's scope.
+Other ops take the layer of the longest learnt scope that contains them; ops in
+a While/If body take the layer of the op that calls the body; the last resort
+is plain scope normalisation (:func:`normalize_scope`). Ops outside every layer
+get ``None`` and so the map's default policy, as in Keras.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import re
+from typing import Iterable, Optional
+
+import tensorflow as tf
+
+from tfpolicy import tf_names
+from tfpolicy.graph import Graph, Node
+from tfpolicy.savedmodel_io import LoadedModel, SignatureProgram
+from tfpolicy.tf_names import TensorRef
+
+logger = logging.getLogger(__name__)
+
+NORMALIZATION_VARIABLES = frozenset({"gamma", "beta", "moving_mean", "moving_variance"})
+RESOURCE_PASS_THROUGH = frozenset({"Identity", "IdentityN", "_Arg"})
+CALL_WRAPPER = re.compile(r"(Stateful)?PartitionedCall(_\d+)?")
+_UNIQUIFIED = re.compile(r"(.*)_\d+")
+CONTROL_FLOW_ARG_OFFSET = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1}
+FUNCTION_ATTRS = ("body", "cond", "then_branch", "else_branch", "f", "branches")
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableInfo:
+    name: str  # TF name without ":0"
+    layer_path: str
+    dtype: int
+    shape: tuple[Optional[int], ...]
+    uid: int  # id() of the loaded tf.Variable
+
+
+@dataclasses.dataclass
+class LayerInfo:
+    path: str
+    variables: list[VariableInfo] = dataclasses.field(default_factory=list)
+    op_count: int = 0
+
+    @property
+    def is_normalization(self) -> bool:
+        """LayerNormalization / BatchNormalization: Keras computes these in float32."""
+        leaves = {v.name.rsplit("/", 1)[-1] for v in self.variables}
+        leaves = {_strip_uniquifier(leaf) for leaf in leaves}
+        return bool(leaves) and leaves <= NORMALIZATION_VARIABLES
+
+
+def _strip_uniquifier(component: str) -> str:
+    match = _UNIQUIFIED.fullmatch(component)
+    return match.group(1) if match else component
+
+
+def component_matches(component: str, name: str) -> bool:
+    """Whether a scope component is ``name`` or ``name`` uniquified (``name_3``)."""
+    return component == name or (
+        component.startswith(name + "_") and component[len(name) + 1 :].isdigit()
+    )
+
+
+def find_layer_scope(op_name: str, layer_path: str) -> Optional[tuple[int, int]]:
+    """Rightmost window of ``op_name``'s scope components that spells ``layer_path``.
+
+    ``find_layer_scope("m_1/dense_1_2/Cast/ReadVariableOp", "dense_1") == (1, 2)``
+    """
+    components = op_name.split("/")[:-1]
+    wanted = layer_path.split("/")
+    for end in range(len(components), len(wanted) - 1, -1):
+        start = end - len(wanted)
+        if all(component_matches(c, w) for c, w in zip(components[start:end], wanted)):
+            return start, end
+    return None
+
+
+def normalize_scope(op_name: str, model_prefixes: Iterable[tuple[str, ...]] = ()) -> Optional[str]:
+    """Fallback: the layer path an op's scope suggests, or None.
+
+    Drops the op's own name, call wrappers added by inlining, a known model
+    scope, and a trailing ``_N`` from each remaining component (which is
+    ambiguous for layers whose own name ends in ``_N``; learnt scopes win).
+    """
+    components = op_name.split("/")[:-1]
+    if not components or components[0] == "Func":
+        return None
+    while components and CALL_WRAPPER.fullmatch(components[0]):
+        components = components[1:]
+    for prefix in sorted(model_prefixes, key=len, reverse=True):
+        if prefix and tuple(components[: len(prefix)]) == prefix:
+            components = components[len(prefix) :]
+            break
+    if not components:
+        return None
+    return "/".join(_strip_uniquifier(c) for c in components)
+
+
+class LayerIndex:
+    """Layer path of every op (per signature and graph) and every variable."""
+
+    def __init__(self) -> None:
+        self.layers: dict[str, LayerInfo] = {}
+        self.variables: dict[int, VariableInfo] = {}
+        self._node_layer: dict[tuple[str, str, str], Optional[str]] = {}
+        self._resources: dict[tuple[str, str], dict[str, int]] = {}
+
+    def layer_of(self, signature: str, graph: Graph, node: Node) -> Optional[str]:
+        return self._node_layer.get((signature, graph.name, node.name))
+
+    def variable_read_by(self, signature: str, graph: Graph, node: Node) -> Optional[VariableInfo]:
+        """The variable a ReadVariableOp-like node reads, when it can be traced."""
+        table = self._resources.get((signature, graph.name), {})
+        for _, ref in node.data_inputs():
+            uid = table.get(str(ref))
+            if uid is not None:
+                return self.variables[uid]
+        return None
+
+    def nodes_of(self, path: Optional[str]) -> list[tuple[str, str, str]]:
+        return [key for key, value in self._node_layer.items() if value == path]
+
+    @property
+    def paths(self) -> list[str]:
+        return sorted(self.layers)
+
+
+def build(model: LoadedModel) -> LayerIndex:
+    index = LayerIndex()
+    for program in model.signatures.values():
+        for capture in program.captures.values():
+            variable = capture.variable
+            if variable is None or id(variable) in index.variables:
+                continue
+            info = _variable_info(variable)
+            index.variables[info.uid] = info
+            index.layers.setdefault(info.layer_path, LayerInfo(info.layer_path)).variables.append(info)
+    for program in model.signatures.values():
+        _index_signature(index, program)
+    for (_, _, _), path in index._node_layer.items():
+        if path is not None:
+            index.layers.setdefault(path, LayerInfo(path)).op_count += 1
+    return index
+
+
+def _variable_info(variable: tf.Variable) -> VariableInfo:
+    name = variable.name[:-2] if variable.name.endswith(":0") else variable.name
+    layer_path = name.rsplit("/", 1)[0] if "/" in name else name
+    shape = tuple(variable.shape.as_list()) if variable.shape.rank is not None else ()
+    return VariableInfo(name, layer_path, variable.dtype.as_datatype_enum, shape, id(variable))
+
+
+def _index_signature(index: LayerIndex, program: SignatureProgram) -> None:
+    key = program.key
+    capture_uids = {
+        name: id(c.variable) for name, c in program.captures.items() if c.variable is not None
+    }
+    # Graphs in caller-before-callee order, with what their arguments carry.
+    queue: collections.deque[tuple[Graph, dict[str, int], Optional[str]]] = collections.deque()
+    queue.append((program.graph, capture_uids, None))
+    visited: set[str] = set()
+    learned: dict[str, str] = {}
+    model_prefixes: set[tuple[str, ...]] = set()
+    while queue:
+        graph, seeds, caller_layer = queue.popleft()
+        if graph.name in visited:
+            continue
+        visited.add(graph.name)
+        resources = _trace_resources(graph, seeds)
+        index._resources[(key, graph.name)] = resources
+        order = graph.topological_order()
+        local: dict[str, str] = {}
+        for node in order:
+            info = index.variable_read_by(key, graph, node) if node.op != "_Arg" else None
+            if info is None:
+                continue
+            index._node_layer[(key, graph.name, node.name)] = info.layer_path
+            window = find_layer_scope(node.name, info.layer_path)
+            if window is not None:
+                components = node.name.split("/")
+                local["/".join(components[: window[1]])] = info.layer_path
+                model_prefixes.add(tuple(c for c in components[: window[0]] if not CALL_WRAPPER.fullmatch(c)))
+        learned.update(local)
+        scopes = sorted({**learned, **local}.items(), key=lambda kv: len(kv[0]), reverse=True)
+        for node in order:
+            slot = (key, graph.name, node.name)
+            if slot not in index._node_layer:
+                index._node_layer[slot] = _layer_for(node, scopes, caller_layer, model_prefixes, graph)
+            layer = index._node_layer[slot]
+            for callee, offset in _callees(node):
+                if callee in program.functions:
+                    args = [n.name for n in program.functions[callee].nodes.values() if n.op == "_Arg"]
+                    callee_seeds = {}
+                    for position, ref in node.data_inputs():
+                        uid = resources.get(str(ref))
+                        arg_index = position - offset
+                        if uid is not None and 0 <= arg_index < len(args):
+                            callee_seeds[args[arg_index]] = uid
+                    queue.append((program.functions[callee], callee_seeds, layer))
+
+
+def _layer_for(node: Node, scopes, caller_layer, model_prefixes, graph: Graph) -> Optional[str]:
+    if node.op in ("Placeholder", "_Arg"):
+        return caller_layer if graph.is_function else None
+    for scope, path in scopes:
+        if node.name.startswith(scope + "/"):
+            return path
+    if caller_layer is not None:
+        return caller_layer
+    return normalize_scope(node.name, model_prefixes)
+
+
+def _callees(node: Node) -> list[tuple[str, int]]:
+    """Library functions ``node`` calls, with the offset of their first argument."""
+    found = []
+    if tf_names.op_def(node.op) is None:
+        found.append((node.op, 0))
+    offset = CONTROL_FLOW_ARG_OFFSET.get(node.op, 0)
+    for attr_name in FUNCTION_ATTRS:
+        value = node.attrs.get(attr_name)
+        if value is None:
+            continue
+        if value.HasField("func"):
+            found.append((value.func.name, offset))
+        found.extend((f.name, offset) for f in value.list.func)
+    return found
+
+
+def _trace_resources(graph: Graph, seeds: dict[str, int]) -> dict[str, int]:
+    """Resource tensor -> variable uid, following Identity chains from the seeds."""
+    table = {str(TensorRef(name)): uid for name, uid in seeds.items()}
+    for node in graph.topological_order():
+        if node.op in ("Identity", "IdentityN"):
+            for position, ref in node.data_inputs():
+                uid = table.get(str(ref))
+                if uid is not None:
+                    table[str(TensorRef(node.name, position))] = uid
+    return table

@@ -1,0 +1,105 @@
+"""Planning, apart from rewriting: policy map x layer index -> frozen records.
+
+``plan(policy_map, layer_index)`` resolves each layer path once, with the map's
+Keras lookup, into a :class:`LayerPlan`. Passes consume the plan; ``--explain``
+prints it. Nothing here touches a graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from tensorflow.core.framework import types_pb2
+
+from tfpolicy import tf_names
+from tfpolicy.layer_index import LayerIndex
+from tfpolicy.policy_map import PolicyMap, describe_policy
+
+_DTYPE_ENUMS = {
+    "float32": types_pb2.DT_FLOAT,
+    "float64": types_pb2.DT_DOUBLE,
+    "bfloat16": types_pb2.DT_BFLOAT16,
+    "float16": types_pb2.DT_HALF,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What one layer path resolves to. ``path=None`` is "outside every layer"."""
+
+    path: Optional[str]
+    key: Optional[str]
+    policy: str
+    compute_dtype: str
+    variable_dtype: str
+    quantization_mode: Optional[str]
+    amax_history_length: Optional[int]
+    is_normalization: bool
+    variable_count: int
+    op_count: int
+
+    @property
+    def compute_enum(self) -> int:
+        return dtype_enum(self.compute_dtype)
+
+    @property
+    def variable_enum(self) -> int:
+        return dtype_enum(self.variable_dtype)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def dtype_enum(name: str) -> int:
+    try:
+        return _DTYPE_ENUMS[name]
+    except KeyError:
+        return tf_names.DTYPE_BY_NAME.get(name, types_pb2.DT_INVALID)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    layers: dict[Optional[str], LayerPlan]
+    unused_keys: tuple[str, ...]
+
+    def for_layer(self, path: Optional[str]) -> LayerPlan:
+        return self.layers.get(path, self.layers[None])
+
+    @property
+    def quantized(self) -> list[LayerPlan]:
+        return [p for p in self.layers.values() if p.quantization_mode and (p.op_count or p.variable_count)]
+
+    def rows(self) -> list[LayerPlan]:
+        named = sorted((p for p in self.layers.values() if p.path is not None), key=lambda p: p.path)
+        return named + [self.layers[None]]
+
+
+def plan(policy_map: PolicyMap, index: LayerIndex, outside_op_count: int = 0) -> Plan:
+    """Resolve every layer path of ``index`` (and the default) against the map."""
+    layers: dict[Optional[str], LayerPlan] = {}
+    for path in index.paths:
+        info = index.layers[path]
+        layers[path] = _layer_plan(policy_map, path, len(info.variables), info.op_count, info.is_normalization)
+    layers[None] = _layer_plan(policy_map, None, 0, outside_op_count, False)
+    unused = tuple(policy_map.unused_keys(index.paths))
+    return Plan(layers, unused)
+
+
+def _layer_plan(
+    policy_map: PolicyMap, path: Optional[str], variables: int, ops: int, normalization: bool
+) -> LayerPlan:
+    match = policy_map.lookup(path)
+    policy = match.policy
+    return LayerPlan(
+        path=path,
+        key=match.key,
+        policy=describe_policy(policy),
+        compute_dtype=str(policy.compute_dtype),
+        variable_dtype=str(policy.variable_dtype),
+        quantization_mode=policy.quantization_mode,
+        amax_history_length=getattr(policy, "amax_history_length", None),
+        is_normalization=normalization,
+        variable_count=variables,
+        op_count=ops,
+    )

@@ -1,0 +1,119 @@
+"""The report: the plan and what the passes did, as JSON and as a table.
+
+``--explain`` prints :meth:`Report.format_table`; ``--report FILE`` writes
+:meth:`Report.to_json`. Both come from the same data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Optional
+
+from tfpolicy.plan import LayerPlan, Plan
+
+OUTSIDE = "(outside every layer)"
+
+
+@dataclasses.dataclass
+class SignatureReport:
+    key: str
+    casts_inserted: int = 0
+    casts_reused: int = 0
+    casts_folded: int = 0
+    ops_retyped: int = 0
+    functions_rewritten: int = 0
+
+
+@dataclasses.dataclass
+class Report:
+    input_dir: str
+    output_dir: Optional[str]
+    plan: Plan
+    signatures: list[SignatureReport]
+    retyped_by_layer: dict[Optional[str], int]
+    declined_by_layer: dict[Optional[str], dict[str, int]]
+    variables_converted: list[dict]
+    warnings: list[str]
+    input_bytes: int = 0
+    output_bytes: Optional[int] = None
+
+    @property
+    def casts_inserted(self) -> int:
+        return sum(s.casts_inserted for s in self.signatures)
+
+    @property
+    def casts_reused(self) -> int:
+        return sum(s.casts_reused for s in self.signatures)
+
+    def change(self, layer: LayerPlan) -> str:
+        """One phrase: what the rewrite does to this layer."""
+        if layer.quantization_mode:
+            return f"{layer.quantization_mode} quantization: not supported yet"
+        retyped = self.retyped_by_layer.get(layer.path, 0)
+        declined = self.declined_by_layer.get(layer.path, {})
+        if layer.compute_dtype == "float32" and not retyped:
+            return "unchanged (float32)"
+        if layer.is_normalization:
+            return f"kept in float32 (normalization), output to {layer.compute_dtype} consumers"
+        parts = [f"{retyped} ops to {layer.compute_dtype}"]
+        if layer.variable_dtype != "float32" and layer.variable_count:
+            parts.append(f"variables stored as {layer.variable_dtype}")
+        if declined:
+            parts.append("kept float32: " + "; ".join(f"{n} x {reason}" for reason, n in sorted(declined.items())))
+        return ", ".join(parts)
+
+    def to_json(self) -> dict:
+        return {
+            "input": self.input_dir,
+            "output": self.output_dir,
+            "layers": [
+                {
+                    **row.to_json(),
+                    "path": row.path,
+                    "ops_retyped": self.retyped_by_layer.get(row.path, 0),
+                    "declined": dict(self.declined_by_layer.get(row.path, {})),
+                    "change": self.change(row),
+                }
+                for row in self.plan.rows()
+            ],
+            "signatures": [dataclasses.asdict(s) for s in self.signatures],
+            "casts_inserted": self.casts_inserted,
+            "casts_reused": self.casts_reused,
+            "variables_converted": self.variables_converted,
+            "unused_keys": list(self.plan.unused_keys),
+            "warnings": self.warnings,
+            "input_bytes": self.input_bytes,
+            "output_bytes": self.output_bytes,
+        }
+
+    def write_json(self, path: pathlib.Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    def format_table(self) -> str:
+        header = ("layer path", "matched key", "policy", "ops", "vars", "change")
+        rows = [
+            (
+                row.path if row.path is not None else OUTSIDE,
+                row.key if row.key is not None else "(default)",
+                row.policy,
+                str(row.op_count),
+                str(row.variable_count),
+                self.change(row),
+            )
+            for row in self.plan.rows()
+        ]
+        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header) - 1)]
+        lines = []
+        for cells in (header, *rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)) + "  " + cells[-1])
+        lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(header[-1]))
+        for s in self.signatures:
+            lines.append(
+                f"signature {s.key}: {s.ops_retyped} ops retyped, {s.casts_inserted} casts inserted,"
+                f" {s.casts_reused} reused, {s.casts_folded} folded"
+            )
+        for key in self.plan.unused_keys:
+            lines.append(f"warning: policy map key '{key}' matches no layer")
+        return "\n".join(lines)

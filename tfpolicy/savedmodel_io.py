@@ -1,0 +1,343 @@
+"""The serde boundary: SavedModel directory <-> tfpolicy IR.
+
+Only this module touches TensorFlow's SavedModel machinery and GraphDef /
+FunctionDef protobufs.
+
+Loading, per signature:
+
+    serving_default graph:  x -> StatefulPartitionedCall(x, var handles...) -> y
+      --grappler function inlining (control flow kept functional)-->
+    flat Graph:  x -> ... ReadVariableOp(capture placeholder) ... -> y
+                 + one Graph per remaining library function (While/If bodies)
+
+Saving rebuilds each signature with ``wrap_function.function_from_graph_def``,
+maps capture placeholders to the loaded (or newly created) variables, tracks
+them and every resource and asset the functions capture under a fresh root,
+and writes with ``tf.saved_model.save`` into a temporary directory beside the
+output, which is then renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.core.framework import function_pb2, graph_pb2
+from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
+from tensorflow.python.eager import wrap_function
+from tensorflow.python.grappler import tf_optimizer
+from tensorflow.python.util import nest
+
+from tfpolicy import tf_names
+from tfpolicy.errors import OutputError, SavedModelError
+from tfpolicy.graph import Graph, Node
+from tfpolicy.tf_names import TensorRef
+
+logger = logging.getLogger(__name__)
+
+@dataclasses.dataclass
+class Capture:
+    """A captured input of a signature: a variable or another resource."""
+
+    placeholder: str
+    handle: object  # the eager tensor captured by the loaded function
+    variable: Optional[tf.Variable]
+
+
+@dataclasses.dataclass
+class SignatureProgram:
+    """One signature, inlined into editable graphs."""
+
+    key: str
+    function: object  # the loaded ConcreteFunction
+    graph: Graph
+    functions: dict[str, Graph]
+    function_defs: dict[str, function_pb2.FunctionDef]
+    input_tensors: list[str]
+    captures: dict[str, Capture]
+
+    def all_graphs(self) -> list[Graph]:
+        return [self.graph, *self.functions.values()]
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    path: pathlib.Path
+    root: object
+    signatures: dict[str, SignatureProgram]
+    variables: list[tf.Variable]
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+
+def check_input_dir(path: pathlib.Path) -> None:
+    if not path.exists():
+        raise SavedModelError(f"input SavedModel '{path}' does not exist")
+    if not path.is_dir():
+        raise SavedModelError(f"input '{path}' is not a directory")
+    if not (path / "saved_model.pb").exists() and not (path / "saved_model.pbtxt").exists():
+        raise SavedModelError(
+            f"input '{path}' is not a SavedModel: it has no saved_model.pb"
+        )
+
+
+def load(path: pathlib.Path, signatures: Optional[Sequence[str]] = None) -> LoadedModel:
+    check_input_dir(path)
+    try:
+        root = tf.saved_model.load(str(path))
+    except Exception as exc:  # TensorFlow raises many types for a broken model
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SavedModelError(f"cannot load SavedModel '{path}': {first}") from exc
+    available = list(root.signatures.keys())
+    if not available:
+        raise SavedModelError(f"SavedModel '{path}' has no signatures to rewrite")
+    if signatures:
+        missing = [key for key in signatures if key not in available]
+        if missing:
+            raise SavedModelError(
+                f"SavedModel '{path}' has no signature {', '.join(repr(m) for m in missing)};"
+                f" it has {', '.join(repr(a) for a in sorted(available))}"
+            )
+        keys = list(signatures)
+    else:
+        keys = sorted(available)
+    variables = _all_variables(root)
+    by_handle = {id(v.handle): v for v in variables}
+    programs = {key: _load_signature(key, root.signatures[key], by_handle) for key in keys}
+    return LoadedModel(path, root, programs, variables)
+
+
+def _all_variables(root: object) -> list[tf.Variable]:
+    seen: dict[int, tf.Variable] = {}
+    for obj in _descendants(root):
+        if isinstance(obj, tf.Variable):
+            seen.setdefault(id(obj), obj)
+    return list(seen.values())
+
+
+def _descendants(root: object) -> list[object]:
+    from tensorflow.python.checkpoint import trackable_view  # noqa: PLC0415
+
+    return list(trackable_view.TrackableView(root).descendants())
+
+
+def inline_functions(function: object) -> graph_pb2.GraphDef:
+    """The signature graph with every function call inlined by grappler.
+
+    While/If stay functional: lowering them to Switch/Merge would make the
+    graph cyclic and is left to the runtime.
+    """
+    graph = function.graph
+    meta_graph = tf.compat.v1.train.export_meta_graph(
+        graph_def=graph.as_graph_def(add_shapes=True), graph=graph
+    )
+    fetches = meta_graph_pb2.CollectionDef()
+    for tensor in function.outputs:
+        fetches.node_list.value.append(tensor.name)
+    meta_graph.collection_def["train_op"].CopyFrom(fetches)
+    config = config_pb2.ConfigProto()
+    config.experimental.use_tfrt = True  # keeps grappler from lowering control flow
+    rewrite = config.graph_options.rewrite_options
+    rewrite.optimizers.append("function")
+    rewrite.min_graph_nodes = -1
+    rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+    return tf_optimizer.OptimizeGraph(config, meta_graph)
+
+
+def _load_signature(key: str, function: object, by_handle: dict[int, tf.Variable]) -> SignatureProgram:
+    graph_def = inline_functions(function)
+    library = tf_names.library_signatures(graph_def.library)
+    graph = Graph(key, library=library)
+    for node_def in graph_def.node:
+        graph.nodes[node_def.name] = Node(
+            node_def.name,
+            node_def.op,
+            list(node_def.input),
+            {k: _copy_attr(v) for k, v in node_def.attr.items() if k != "_output_shapes"},
+            node_def.device,
+        )
+    for name, tensor in zip(_output_keys(function), function.outputs):
+        graph.outputs[name] = tf_names.parse_input(tensor.name)[0]
+    captures = {}
+    for external, internal in function.graph.captures:
+        placeholder = internal.name.split(":")[0]
+        captures[placeholder] = Capture(placeholder, external, by_handle.get(id(external)))
+    capture_names = set(captures)
+    inputs = [t.name for t in function.inputs if t.name.split(":")[0] not in capture_names]
+    functions = {fdef.signature.name: function_def_to_graph(fdef, library) for fdef in graph_def.library.function}
+    fdefs = {fdef.signature.name: fdef for fdef in graph_def.library.function}
+    return SignatureProgram(key, function, graph, functions, fdefs, inputs, captures)
+
+
+def _output_keys(function: object) -> list[str]:
+    structure = function.structured_outputs
+    flat_keys = nest.flatten_with_joined_string_paths(structure)
+    return [path or f"output_{i}" for i, (path, _) in enumerate(flat_keys)]
+
+
+def _copy_attr(value):
+    copy = type(value)()
+    copy.CopyFrom(value)
+    return copy
+
+
+def function_def_to_graph(fdef: function_pb2.FunctionDef, library) -> Graph:
+    """FunctionDef -> Graph: arguments become ``_Arg`` nodes, inputs go flat."""
+    graph = Graph(fdef.signature.name, library=library, is_function=True)
+    for index, arg in enumerate(fdef.signature.input_arg):
+        attrs = {"T": tf.compat.v1.AttrValue(type=arg.type), "index": tf.compat.v1.AttrValue(i=index)}
+        graph.nodes[arg.name] = Node(arg.name, "_Arg", [], attrs)
+    layout = {
+        nd.name: tf_names.output_slots(nd.op, nd.attr, library) for nd in fdef.node_def
+    }
+    arg_names = frozenset(arg.name for arg in fdef.signature.input_arg)
+    for nd in fdef.node_def:
+        inputs = [tf_names.function_input_to_flat(t, layout, arg_names) for t in nd.input]
+        graph.nodes[nd.name] = Node(nd.name, nd.op, inputs, {k: _copy_attr(v) for k, v in nd.attr.items() if k != "_output_shapes"}, nd.device)
+    for out in fdef.signature.output_arg:
+        text = tf_names.function_input_to_flat(fdef.ret[out.name], layout, arg_names)
+        graph.outputs[out.name] = tf_names.parse_input(text)[0]
+    return graph
+
+
+def graph_to_function_def(graph: Graph, original: function_pb2.FunctionDef, new_name: str) -> function_pb2.FunctionDef:
+    """Inverse of :func:`function_def_to_graph`, keeping the original signature."""
+    fdef = function_pb2.FunctionDef()
+    fdef.CopyFrom(original)
+    fdef.signature.name = new_name
+    del fdef.node_def[:]
+    body = [n for n in graph.nodes.values() if n.op != "_Arg"]
+    layout = {n.name: graph.output_slots(n) for n in body}
+    arg_names = frozenset(n.name for n in graph.nodes.values() if n.op == "_Arg")
+    for node in body:
+        nd = fdef.node_def.add()
+        nd.name, nd.op, nd.device = node.name, node.op, node.device
+        nd.input.extend(tf_names.flat_to_function_input(t, layout, arg_names) for t in node.inputs)
+        for k, v in node.attrs.items():
+            nd.attr[k].CopyFrom(v)
+    for key, ref in graph.outputs.items():
+        fdef.ret[key] = tf_names.flat_to_function_input(str(ref), layout, arg_names)
+    return fdef
+
+
+# ---------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------
+
+
+def check_output_dir(input_dir: pathlib.Path, output_dir: pathlib.Path, overwrite: bool) -> None:
+    src = input_dir.resolve()
+    dst = output_dir.resolve()
+    if dst == src:
+        raise OutputError(f"output '{output_dir}' is the input SavedModel; choose another directory")
+    if src in dst.parents:
+        raise OutputError(f"output '{output_dir}' lies inside the input SavedModel '{input_dir}'")
+    if dst in src.parents:
+        raise OutputError(f"output '{output_dir}' contains the input SavedModel '{input_dir}'")
+    if output_dir.exists() and not overwrite:
+        raise OutputError(f"output '{output_dir}' already exists; pass --overwrite to replace it")
+    if not dst.parent.exists():
+        raise OutputError(f"output's parent directory '{dst.parent}' does not exist")
+
+
+def _function_name(graph: Graph, fdef: function_pb2.FunctionDef) -> str:
+    digest = hashlib.sha256(fdef.SerializeToString(deterministic=True)).hexdigest()[:10]
+    return f"{graph.name}_tfpolicy_{digest}"
+
+
+def build_graph_def(program: SignatureProgram, modified: set[str]) -> graph_pb2.GraphDef:
+    """The signature's GraphDef with its (renamed where modified) library."""
+    renames: dict[str, str] = {}
+    fdefs: dict[str, function_pb2.FunctionDef] = {}
+    for name, fgraph in program.functions.items():
+        if name in modified:
+            provisional = graph_to_function_def(fgraph, program.function_defs[name], name)
+            renames[name] = _function_name(fgraph, provisional)
+    for name, fgraph in program.functions.items():
+        fdef = graph_to_function_def(fgraph, program.function_defs[name], renames.get(name, name))
+        _rename_function_refs(fdef.node_def, renames)
+        fdefs[fdef.signature.name] = fdef
+    graph_def = graph_pb2.GraphDef()
+    for node in program.graph.nodes.values():
+        nd = graph_def.node.add()
+        nd.name, nd.op, nd.device = node.name, node.op, node.device
+        nd.input.extend(node.inputs)
+        for k, v in node.attrs.items():
+            nd.attr[k].CopyFrom(v)
+    _rename_function_refs(graph_def.node, renames)
+    graph_def.library.function.extend(fdefs.values())
+    return graph_def
+
+
+def _rename_function_refs(node_defs, renames: dict[str, str]) -> None:
+    if not renames:
+        return
+    for nd in node_defs:
+        if nd.op in renames:
+            nd.op = renames[nd.op]
+        for value in nd.attr.values():
+            if value.HasField("func") and value.func.name in renames:
+                value.func.name = renames[value.func.name]
+            for func in value.list.func:
+                if func.name in renames:
+                    func.name = renames[func.name]
+
+
+def rebuild_function(program: SignatureProgram, graph_def: graph_pb2.GraphDef, handles: dict[str, object]):
+    """A ConcreteFunction from the edited GraphDef, captures mapped to ``handles``."""
+    outputs = {key: f"{ref.node}:{ref.index}" for key, ref in program.graph.outputs.items()}
+    new_function = wrap_function.function_from_graph_def(
+        graph_def, program.input_tensors, outputs, handles
+    )
+    original = program.function
+    new_function.graph.structured_outputs = nest.pack_sequence_as(
+        original.graph.structured_outputs, nest.flatten(new_function.graph.structured_outputs)
+    )
+    new_function.graph.structured_input_signature = original.structured_input_signature
+    return new_function
+
+
+def save_atomically(
+    root: object,
+    signatures: dict[str, object],
+    output_dir: pathlib.Path,
+    overwrite: bool,
+) -> None:
+    """Save into a temporary directory beside ``output_dir`` and rename it into place."""
+    parent = output_dir.resolve().parent
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tfpolicy-tmp-", dir=parent))
+    try:
+        tf.saved_model.save(root, str(tmp), signatures=signatures)
+        if output_dir.exists():
+            if not overwrite:
+                raise OutputError(f"output '{output_dir}' already exists; pass --overwrite to replace it")
+            trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tfpolicy-old-", dir=parent))
+            os.rename(output_dir, trash / "old")
+            os.rename(tmp, output_dir)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def tracked_resources(root: object) -> list[object]:
+    """Non-variable resources and assets reachable from ``root`` (tables, files)."""
+    from tensorflow.python.trackable import asset, resource  # noqa: PLC0415
+
+    kept = []
+    for obj in _descendants(root):
+        if isinstance(obj, (resource.CapturableResource, asset.Asset)) and not isinstance(obj, tf.Variable):
+            kept.append(obj)
+    return kept
