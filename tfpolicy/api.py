@@ -170,7 +170,7 @@ def _assemble(model, modified: dict[str, set[str]], variable_dtypes: dict[int, i
                 if variable is not None:
                     kept[id(variable)] = variable
                 handles[placeholder] = capture.handle
-        graph_def = savedmodel_io.build_graph_def(program, modified[program.key])
+        graph_def = savedmodel_io.build_graph_def(program)
         functions[program.key] = savedmodel_io.rebuild_function(program, graph_def, handles)
     root = autotrackable.AutoTrackable()
     root.tfpolicy_variables = list(kept.values()) + list(new_variables.values())

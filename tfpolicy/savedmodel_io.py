@@ -42,6 +42,13 @@ from tfpolicy.tf_names import TensorRef
 
 logger = logging.getLogger(__name__)
 
+# Function attributes a rewritten FunctionDef keeps: what the loader accepts,
+# less the implementation-selector keys (the runtime could otherwise replace a
+# rewritten body with a float32 alternative, e.g. tf-keras's cuDNN LSTM).
+_KEPT_FUNCTION_ATTRS = frozenset(
+    {"_noinline", "_disable_acd", "_implements", "time_major", "go_backwards", "_input_shapes"}
+)
+
 @dataclasses.dataclass
 class Capture:
     """A captured input of a signature: a variable or another resource."""
@@ -215,6 +222,9 @@ def graph_to_function_def(graph: Graph, original: function_pb2.FunctionDef, new_
     fdef = function_pb2.FunctionDef()
     fdef.CopyFrom(original)
     fdef.signature.name = new_name
+    for key in list(fdef.attr):
+        if key not in _KEPT_FUNCTION_ATTRS:
+            del fdef.attr[key]  # grappler's marks; api_implements would let the runtime swap bodies
     del fdef.node_def[:]
     body = [n for n in graph.nodes.values() if n.op != "_Arg"]
     layout = {n.name: graph.output_slots(n) for n in body}
@@ -250,24 +260,29 @@ def check_output_dir(input_dir: pathlib.Path, output_dir: pathlib.Path, overwrit
         raise OutputError(f"output's parent directory '{dst.parent}' does not exist")
 
 
-def _function_name(graph: Graph, fdef: function_pb2.FunctionDef) -> str:
+def _function_name(name: str, fdef: function_pb2.FunctionDef) -> str:
+    """``name`` plus a digest of the body: equal bodies share a name, others never do."""
     digest = hashlib.sha256(fdef.SerializeToString(deterministic=True)).hexdigest()[:10]
-    return f"{graph.name}_tfpolicy_{digest}"
+    return f"{name}_tfpolicy_{digest}"
 
 
-def build_graph_def(program: SignatureProgram, modified: set[str]) -> graph_pb2.GraphDef:
-    """The signature's GraphDef with its (renamed where modified) library."""
-    renames: dict[str, str] = {}
-    fdefs: dict[str, function_pb2.FunctionDef] = {}
-    for name, fgraph in program.functions.items():
-        if name in modified:
-            provisional = graph_to_function_def(fgraph, program.function_defs[name], name)
-            renames[name] = _function_name(fgraph, provisional)
-    for name, fgraph in program.functions.items():
-        fdef = graph_to_function_def(fgraph, program.function_defs[name], renames.get(name, name))
-        _rename_function_refs(fdef.node_def, renames)
-        fdefs[fdef.signature.name] = fdef
+def build_graph_def(program: SignatureProgram) -> graph_pb2.GraphDef:
+    """The signature's GraphDef with its library.
+
+    Every library function gets a new name derived from its content: grappler
+    may have changed even the functions no pass touched, and the runtime still
+    holds the loaded model's functions under the original names.
+    """
+    fdefs = {
+        name: graph_to_function_def(graph, program.function_defs[name], name)
+        for name, graph in program.functions.items()
+    }
+    renames = {name: _function_name(name, fdef) for name, fdef in fdefs.items()}
     graph_def = graph_pb2.GraphDef()
+    for name, fdef in fdefs.items():
+        fdef.signature.name = renames[name]
+        _rename_function_refs(fdef.node_def, renames)
+        graph_def.library.function.append(fdef)
     for node in program.graph.nodes.values():
         nd = graph_def.node.add()
         nd.name, nd.op, nd.device = node.name, node.op, node.device
@@ -275,7 +290,6 @@ def build_graph_def(program: SignatureProgram, modified: set[str]) -> graph_pb2.
         for k, v in node.attrs.items():
             nd.attr[k].CopyFrom(v)
     _rename_function_refs(graph_def.node, renames)
-    graph_def.library.function.extend(fdefs.values())
     return graph_def
 
 
