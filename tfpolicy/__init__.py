@@ -2,34 +2,39 @@
 
     import tfpolicy
     report = tfpolicy.rewrite("model/", "model_bf16/", {"default_policy": "mixed_bfloat16"})
+
+Names are imported lazily, so that ``python -m tfpolicy.rewrite`` can quiet
+TensorFlow's C++ logging before TensorFlow is first imported.
 """
 
-from tfpolicy.api import explain, rewrite
-from tfpolicy.errors import (
-    AmbiguousPathError,
-    OutputError,
-    PolicyMapError,
-    SavedModelError,
-    StrictModeError,
-    TfPolicyError,
-    UnsupportedPolicyError,
-)
-from tfpolicy.policy_map import PolicyMap
-from tfpolicy.report import Report
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AmbiguousPathError",
-    "OutputError",
-    "PolicyMap",
-    "PolicyMapError",
-    "Report",
-    "SavedModelError",
-    "StrictModeError",
-    "TfPolicyError",
-    "UnsupportedPolicyError",
-    "explain",
-    "rewrite",
-    "__version__",
-]
+_EXPORTS = {
+    "rewrite": "tfpolicy.api",
+    "explain": "tfpolicy.api",
+    "PolicyMap": "tfpolicy.policy_map",
+    "Report": "tfpolicy.report",
+    "TfPolicyError": "tfpolicy.errors",
+    "PolicyMapError": "tfpolicy.errors",
+    "AmbiguousPathError": "tfpolicy.errors",
+    "UnsupportedPolicyError": "tfpolicy.errors",
+    "SavedModelError": "tfpolicy.errors",
+    "OutputError": "tfpolicy.errors",
+    "StrictModeError": "tfpolicy.errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfpolicy' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -90,12 +90,19 @@ def find_layer_scope(op_name: str, layer_path: str) -> Optional[tuple[int, int]]
     return None
 
 
-def normalize_scope(op_name: str, model_prefixes: Iterable[tuple[str, ...]] = ()) -> Optional[str]:
+def normalize_scope(
+    op_name: str,
+    model_prefixes: Iterable[tuple[str, ...]] = (),
+    known_paths: frozenset[str] = frozenset(),
+) -> Optional[str]:
     """Fallback: the layer path an op's scope suggests, or None.
 
-    Drops the op's own name, call wrappers added by inlining, a known model
-    scope, and a trailing ``_N`` from each remaining component (which is
-    ambiguous for layers whose own name ends in ``_N``; learnt scopes win).
+    Drops the op's own name, call wrappers added by inlining and a known model
+    scope, strips a trailing ``_N`` from each remaining component, then answers
+    the longest known layer path (or ancestor of one) that prefixes the result,
+    else its first component: ``lstm/zeros/packed`` -> ``lstm``. Stripping
+    ``_N`` is ambiguous for layers whose own name ends in ``_N``; learnt scopes
+    are consulted before this and win.
     """
     components = op_name.split("/")[:-1]
     if not components or components[0] == "Func":
@@ -108,7 +115,20 @@ def normalize_scope(op_name: str, model_prefixes: Iterable[tuple[str, ...]] = ()
             break
     if not components:
         return None
-    return "/".join(_strip_uniquifier(c) for c in components)
+    normalized = [_strip_uniquifier(c) for c in components]
+    for end in range(len(normalized), 0, -1):
+        candidate = "/".join(normalized[:end])
+        if candidate in known_paths:
+            return candidate
+    return normalized[0]
+
+
+def _with_ancestors(paths: Iterable[str]) -> frozenset[str]:
+    found = set()
+    for path in paths:
+        parts = path.split("/")
+        found.update("/".join(parts[:end]) for end in range(1, len(parts) + 1))
+    return frozenset(found)
 
 
 class LayerIndex:
@@ -150,8 +170,9 @@ def build(model: LoadedModel) -> LayerIndex:
             info = _variable_info(variable)
             index.variables[info.uid] = info
             index.layers.setdefault(info.layer_path, LayerInfo(info.layer_path)).variables.append(info)
+    known = _with_ancestors(index.layers)
     for program in model.signatures.values():
-        _index_signature(index, program)
+        _index_signature(index, program, known)
     for (_, _, _), path in index._node_layer.items():
         if path is not None:
             index.layers.setdefault(path, LayerInfo(path)).op_count += 1
@@ -165,7 +186,7 @@ def _variable_info(variable: tf.Variable) -> VariableInfo:
     return VariableInfo(name, layer_path, variable.dtype.as_datatype_enum, shape, id(variable))
 
 
-def _index_signature(index: LayerIndex, program: SignatureProgram) -> None:
+def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozenset[str]) -> None:
     key = program.key
     capture_uids = {
         name: id(c.variable) for name, c in program.captures.items() if c.variable is not None
@@ -200,7 +221,7 @@ def _index_signature(index: LayerIndex, program: SignatureProgram) -> None:
         for node in order:
             slot = (key, graph.name, node.name)
             if slot not in index._node_layer:
-                index._node_layer[slot] = _layer_for(node, scopes, caller_layer, model_prefixes, graph)
+                index._node_layer[slot] = _layer_for(node, scopes, caller_layer, model_prefixes, known, graph)
             layer = index._node_layer[slot]
             for callee, offset in _callees(node):
                 if callee in program.functions:
@@ -214,7 +235,7 @@ def _index_signature(index: LayerIndex, program: SignatureProgram) -> None:
                     queue.append((program.functions[callee], callee_seeds, layer))
 
 
-def _layer_for(node: Node, scopes, caller_layer, model_prefixes, graph: Graph) -> Optional[str]:
+def _layer_for(node: Node, scopes, caller_layer, model_prefixes, known, graph: Graph) -> Optional[str]:
     if node.op in ("Placeholder", "_Arg"):
         return caller_layer if graph.is_function else None
     for scope, path in scopes:
@@ -222,7 +243,7 @@ def _layer_for(node: Node, scopes, caller_layer, model_prefixes, graph: Graph) -
             return path
     if caller_layer is not None:
         return caller_layer
-    return normalize_scope(node.name, model_prefixes)
+    return normalize_scope(node.name, model_prefixes, known)
 
 
 def _callees(node: Node) -> list[tuple[str, int]]:

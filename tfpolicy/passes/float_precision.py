@@ -177,7 +177,7 @@ class FloatPrecisionPass:
             self.stats.decline(layer, f"function call '{node.op}' keeps its signature")
             return
         if self._touches_resources(node):
-            self.stats.decline(layer, f"{node.op} works on a resource")
+            self.stats.decline(layer, f"{node.op} works on a resource or variant")
             return
         for attr_name in attrs:
             if not (tf_names.op_def_allows(node.op, attr_name, target) and tf_names.has_cpu_kernel(node.op, attr_name, target)):
