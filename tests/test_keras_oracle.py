@@ -1,0 +1,88 @@
+"""Keras is the oracle: the same map applied natively in Keras 3 and by tfpolicy.
+
+For each model: one copy is exported in float32 and rewritten by tfpolicy, a
+second copy with the same weights gets ``layer.dtype_policy = pm[layer.path]``
+(keras-semantics.md section 6), and both run on the same batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import tfpolicy
+from model_zoo import apply_policy_map_natively, run_signature
+
+MIXED_MAP = {
+    "default_policy": "mixed_bfloat16",
+    "policy_map": {"mha/.*": "mixed_float16", "ffn_out": "float32", "ln_2": "mixed_float16"},
+}
+
+
+def _keras_output(zoo_model, policy_map: dict) -> np.ndarray:
+    model = zoo_model.rebuild()
+    keras_map = tfpolicy.PolicyMap.load(policy_map).to_keras()
+    apply_policy_map_natively(model, keras_map)
+    (inputs,) = zoo_model.sample_inputs["serving_default"].values()
+    return np.asarray(keras.ops.convert_to_numpy(model(inputs)), dtype=np.float32)
+
+
+def _rewritten_output(zoo_model, policy_map: dict, tmp_path) -> tuple[np.ndarray, np.ndarray, object]:
+    out = tmp_path / "rewritten"
+    report = tfpolicy.rewrite(zoo_model.saved_model_dir, out, policy_map)
+    inputs = zoo_model.sample_inputs["serving_default"]
+    (y_ref,) = run_signature(zoo_model.saved_model_dir, "serving_default", inputs).values()
+    (y_tool,) = run_signature(out, "serving_default", inputs).values()
+    return y_ref, y_tool, report
+
+
+def test_mlp_mixed_bfloat16_is_bit_identical_to_keras(zoo, tmp_path):
+    mlp = zoo.get("keras3_mlp")
+    policy = {"default_policy": "mixed_bfloat16"}
+    y_ref, y_tool, _ = _rewritten_output(mlp, policy, tmp_path)
+    y_keras = _keras_output(mlp, policy)
+    assert y_tool.dtype == np.float32  # the signature keeps its output dtype
+    assert np.abs(y_tool - y_ref).max() > 0  # bf16 really happened
+    np.testing.assert_array_equal(y_tool, y_keras)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [{"default_policy": "mixed_bfloat16"}, {"default_policy": "mixed_float16"}, MIXED_MAP],
+    ids=["mixed_bfloat16", "mixed_float16", "per_layer_mix"],
+)
+def test_transformer_error_within_1_5x_of_keras(zoo, tmp_path, policy):
+    block = zoo.get("keras3_transformer")
+    y_ref, y_tool, report = _rewritten_output(block, policy, tmp_path)
+    y_keras = _keras_output(block, policy)
+    keras_error = np.abs(y_keras - y_ref).max()
+    tool_error = np.abs(y_tool - y_ref).max()
+    assert keras_error > 0 and tool_error > 0
+    assert tool_error <= 1.5 * keras_error, (tool_error, keras_error)
+    assert report.casts_inserted > 0
+
+
+def test_per_layer_mix_resolves_exact_and_regex_keys(zoo, tmp_path):
+    report = tfpolicy.explain(zoo.get("keras3_transformer").saved_model_dir, MIXED_MAP)
+    by_path = {row.path: row for row in report.plan.rows()}
+    assert by_path["mha/query"].key == "mha/.*" and by_path["mha/query"].compute_dtype == "float16"
+    assert by_path["ffn_out"].key == "ffn_out" and by_path["ffn_out"].compute_dtype == "float32"
+    assert by_path["ffn_in"].key is None and by_path["ffn_in"].compute_dtype == "bfloat16"
+    assert by_path["ln_1"].is_normalization
+
+
+@pytest.mark.parametrize("name", ["keras3_mlp", "keras3_transformer", "tf_module", "tfkeras_lstm"])
+def test_all_float32_map_reproduces_outputs_exactly(zoo, tmp_path, name):
+    model = zoo.get(name)
+    out = tmp_path / "f32"
+    report = tfpolicy.rewrite(model.saved_model_dir, out, {"default_policy": "float32"})
+    assert report.casts_inserted == 0
+    assert sum(s.ops_retyped for s in report.signatures) == 0
+    for key, inputs in model.sample_inputs.items():
+        before = run_signature(model.saved_model_dir, key, inputs)
+        after = run_signature(out, key, inputs)
+        assert before.keys() == after.keys()
+        for name_ in before:
+            np.testing.assert_array_equal(after[name_], before[name_])
