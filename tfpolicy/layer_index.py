@@ -105,10 +105,10 @@ def normalize_scope(
     are consulted before this and win.
     """
     components = op_name.split("/")[:-1]
-    if not components or components[0] == "Func":
-        return None
     while components and CALL_WRAPPER.fullmatch(components[0]):
         components = components[1:]
+    if not components or components[0] == "Func":  # inlining's argument plumbing
+        return None
     for prefix in sorted(model_prefixes, key=len, reverse=True):
         if prefix and tuple(components[: len(prefix)]) == prefix:
             components = components[len(prefix) :]
