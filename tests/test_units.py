@@ -1,0 +1,155 @@
+"""Tier one: tiny graphs and names built in code, structural asserts only."""
+
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, types_pb2
+
+from tfpolicy import layer_index, tf_names
+from tfpolicy.graph import Graph
+from tfpolicy.layer_index import LayerIndex, find_layer_scope, normalize_scope
+from tfpolicy.passes.float_precision import FloatPrecisionPass
+from tfpolicy.plan import LayerPlan, Plan
+from tfpolicy.tf_names import TensorRef
+
+F32, BF16 = types_pb2.DT_FLOAT, types_pb2.DT_BFLOAT16
+
+
+def _type(t):
+    return attr_value_pb2.AttrValue(type=t)
+
+
+# -- edge names ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, ref, control",
+    [("a", TensorRef("a", 0), None), ("a/b:2", TensorRef("a/b", 2), None), ("^c", None, "c"), ("x:y", TensorRef("x:y", 0), None)],
+)
+def test_parse_input(text, ref, control):
+    assert tf_names.parse_input(text) == (ref, control)
+
+
+def test_function_input_names_round_trip():
+    attrs = {"T": _type(F32), "num_split": attr_value_pb2.AttrValue(i=3)}
+    layout = {
+        "split": tf_names.output_slots("Split", attrs),
+        "bn": tf_names.output_slots("FusedBatchNormV3", {"T": _type(F32), "U": _type(F32)}),
+    }
+    args = frozenset({"x"})
+    for text, flat in [("split:output:2", "split:2"), ("bn:batch_variance:0", "bn:2"), ("x", "x"), ("^split", "^split")]:
+        assert tf_names.function_input_to_flat(text, layout, args) == flat
+        assert tf_names.flat_to_function_input(flat, layout, args) == text
+
+
+def test_dtype_slots_follow_attributes():
+    assert tf_names.flat_dtypes(tf_names.output_slots("Cast", {"SrcT": _type(F32), "DstT": _type(BF16)})) == [BF16]
+    identity_n = {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=[F32, types_pb2.DT_INT32]))}
+    assert tf_names.flat_dtypes(tf_names.input_slots("IdentityN", identity_n)) == [F32, types_pb2.DT_INT32]
+
+
+def test_kernel_lookup():
+    assert tf_names.has_cpu_kernel("MatMul", "T", BF16)
+    assert not tf_names.has_cpu_kernel("Gelu", "T", BF16) or tf_names.has_cpu_kernel("Gelu", "T", F32)
+
+
+# -- layer scopes ---------------------------------------------------------------
+
+
+def test_find_layer_scope_handles_names_ending_in_suffix():
+    assert find_layer_scope("StatefulPartitionedCall/mlp_1/dense_1_2/Cast/ReadVariableOp", "dense_1") == (2, 3)
+    assert find_layer_scope("StatefulPartitionedCall/mlp_1/dense_1/Cast/ReadVariableOp", "dense") == (2, 3)
+    assert find_layer_scope("tfm_1/mha_1/query_1/MatMul/ReadVariableOp", "mha/query") == (1, 3)
+    assert find_layer_scope("m2/encoder_dense/MatMul/ReadVariableOp", "encoder_dense") == (1, 2)
+    assert find_layer_scope("a/b/c", "zzz") is None
+
+
+def test_normalize_scope_fallback():
+    known = frozenset({"lstm", "lstm/lstm_cell"})
+    assert normalize_scope("StatefulPartitionedCall/m/lstm/zeros/packed/x", {("m",)}, known) == "lstm"
+    assert normalize_scope("Func/StatefulPartitionedCall/input/_0") is None
+    assert normalize_scope("StatefulPartitionedCall/Func/StatefulPartitionedCall/input/_0") is None
+    assert normalize_scope("Identity") is None
+    assert normalize_scope("postprocess_1/Mul") == "postprocess"
+
+
+# -- the pass on a hand-built graph ------------------------------------------------
+
+
+def _plan(compute: dict) -> Plan:
+    def row(path, dtype, normalization=False):
+        return LayerPlan(path, None, dtype, dtype, "float32", None, None, normalization, 0, 0)
+
+    layers = {path: row(path, dtype) for path, dtype in compute.items()}
+    layers.setdefault(None, row(None, "float32"))
+    return Plan(layers, ())
+
+
+def _tiny_graph() -> Graph:
+    """x -> MatMul(x, w) -> Relu -> out, with Const w, all in layer 'dense'."""
+    graph = Graph("g")
+    graph.add_node("Placeholder", "x", [], {"dtype": _type(F32)})
+    weight = tf.make_tensor_proto([[1.0, 2.0], [3.0, 4.0]], dtype=tf.float32)
+    graph.add_node("Const", "dense/w", [], {"dtype": _type(F32), "value": attr_value_pb2.AttrValue(tensor=weight)})
+    graph.add_node("MatMul", "dense/MatMul", ["x", "dense/w"], {"T": _type(F32), "transpose_a": attr_value_pb2.AttrValue(b=False), "transpose_b": attr_value_pb2.AttrValue(b=False)})
+    graph.add_node("Relu", "dense/Relu", ["dense/MatMul"], {"T": _type(F32)})
+    graph.add_node("Identity", "out", ["dense/Relu"], {"T": _type(F32)})
+    graph.outputs["y"] = TensorRef("out")
+    return graph
+
+
+def _index_for(graph: Graph) -> LayerIndex:
+    index = LayerIndex()
+    for node in graph.nodes.values():
+        path = "dense" if node.name.startswith("dense/") else None
+        index._node_layer[("sig", graph.name, node.name)] = path
+    return index
+
+
+def test_pass_retypes_layer_and_casts_at_boundaries():
+    graph = _tiny_graph()
+    stats = FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "bfloat16"}), {}).run()
+    assert graph.nodes["dense/MatMul"].attrs["T"].type == BF16
+    assert graph.nodes["dense/Relu"].attrs["T"].type == BF16
+    assert graph.nodes["dense/w"].attrs["dtype"].type == BF16  # constants converted
+    casts = [n for n in graph.nodes.values() if n.op == "Cast"]
+    assert {(n.attrs["SrcT"].type, n.attrs["DstT"].type) for n in casts} == {(F32, BF16), (BF16, F32)}
+    assert stats.casts_inserted == 2
+    assert graph.tensor_dtype(graph.outputs["y"]) == F32  # the output keeps its dtype
+    assert all(graph.producer(TensorRef(n.inputs[0].split(":")[0])).op != "Cast" for n in casts)
+
+
+def test_pass_is_a_no_op_under_float32_and_idempotent():
+    graph = _tiny_graph()
+    stats = FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "float32"}), {}).run()
+    assert not stats.modified and len(graph.nodes) == 5
+    graph = _tiny_graph()
+    FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "bfloat16"}), {}).run()
+    count = len(graph.nodes)
+    again = FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "bfloat16"}), {}).run()
+    assert again.casts_inserted == 0 and len(graph.nodes) == count
+
+
+def test_pass_shares_one_cast_per_tensor_and_dtype():
+    graph = _tiny_graph()
+    graph.add_node("Tanh", "dense/Tanh", ["x"], {"T": _type(F32)})
+    graph.outputs["z"] = TensorRef("dense/Tanh")
+    FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "bfloat16"}), {}).run()
+    casts_of_x = [n for n in graph.nodes.values() if n.op == "Cast" and n.inputs == ["x"]]
+    assert len(casts_of_x) == 1
+
+
+def test_normalization_layers_are_declined():
+    graph = _tiny_graph()
+    plan = _plan({"dense": "bfloat16"})
+    plan.layers["dense"] = LayerPlan("dense", None, "mixed_bfloat16", "bfloat16", "float32", None, None, True, 0, 0)
+    stats = FloatPrecisionPass("sig", graph, _index_for(graph), plan, {}).run()
+    assert graph.nodes["dense/MatMul"].attrs["T"].type == F32
+    assert stats.declined["dense"]["normalization layer kept in float32"] >= 2
+
+
+def test_layer_info_recognises_normalization():
+    info = layer_index.LayerInfo("ln", [layer_index.VariableInfo("ln/gamma", "ln", F32, (4,), 1), layer_index.VariableInfo("ln/beta", "ln", F32, (4,), 2)])
+    assert info.is_normalization
+    assert not layer_index.LayerInfo("d", [layer_index.VariableInfo("d/kernel", "d", F32, (4, 4), 3)]).is_normalization
