@@ -60,17 +60,21 @@ def rewrite(
     savedmodel_io.check_output_dir(input_path, output_path, overwrite)
     report, state = _run(input_path, output_path, policy_map, signatures, strict, allow_quantized=False)
     model, programs_modified, variable_dtypes = state
+    logger.info("rebuilding %d signature(s)", len(model.signatures))
     root, functions = _assemble(model, programs_modified, variable_dtypes)
+    logger.info("saving to %s", output_path)
     savedmodel_io.save_atomically(root, functions, output_path, overwrite)
     report.output_bytes = _directory_bytes(output_path)
-    logger.info("wrote %s", output_path)
+    logger.debug("wrote %s", output_path)
     return report
 
 
 def _run(input_path, output_path, policy_map, signatures, strict, allow_quantized):
+    """Load, index, plan and run the passes; returns the report and what saving needs."""
     policy = PolicyMap.load(policy_map)
-    savedmodel_io.check_input_dir(input_path)
+    logger.info("loading %s", input_path)
     model = savedmodel_io.load(input_path, signatures)
+    logger.info("indexing layers of %d signature(s)", len(model.signatures))
     index = layer_index.build(model)
     outside = sum(1 for _ in index.nodes_of(None))
     the_plan = make_plan(policy, index, outside)
@@ -88,12 +92,13 @@ def _run(input_path, output_path, policy_map, signatures, strict, allow_quantize
     variable_dtypes = choose_variable_dtypes(the_plan, index)
     signature_reports, retyped, declined, modified = [], {}, {}, {}
     for program in model.signatures.values():
+        logger.info("rewriting signature %s (%d ops, %d functions)", program.key, len(program.graph.nodes), len(program.functions))
         sig_report = SignatureReport(program.key)
         changed_functions: set[str] = set()
         passes = []
         for graph in program.all_graphs():
             float_pass = FloatPrecisionPass(program.key, graph, index, the_plan, variable_dtypes)
-            passes.append((f"float_precision[{program.key}:{graph.name}]", _as_pass(float_pass, graph, changed_functions, program)))
+            passes.append((f"float_precision[{program.key}:{graph.name}]", _PassAdapter(float_pass, graph, changed_functions, program)))
         run_passes(passes)
         for _, result_holder in passes:
             stats = result_holder.stats  # type: ignore[attr-defined]
@@ -133,7 +138,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, allow_quantize
     return report, (model, modified, variable_dtypes)
 
 
-class _as_pass:
+class _PassAdapter:
     """Adapts a FloatPrecisionPass to the pass manager's callable contract."""
 
     def __init__(self, float_pass: FloatPrecisionPass, graph, changed: set[str], program) -> None:

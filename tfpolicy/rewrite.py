@@ -57,6 +57,8 @@ def main(argv: Sequence[str]) -> None:
     _quiet_tensorflow()
     import tfpolicy  # noqa: PLC0415  (after the environment is set)
 
+    _show_progress()
+
     started = time.monotonic()
     try:
         if FLAGS.explain:
@@ -68,8 +70,6 @@ def main(argv: Sequence[str]) -> None:
                 positional[0], positional[1], FLAGS.map,
                 signatures=FLAGS.signatures, overwrite=FLAGS.overwrite, strict=FLAGS.strict,
             )
-            for warning in report.warnings:
-                print(f"tfpolicy: warning: {warning}", file=sys.stderr)
             _progress(
                 f"wrote {positional[1]} in {time.monotonic() - started:.1f}s: "
                 f"{sum(s.ops_retyped for s in report.signatures)} ops retyped, "
@@ -118,6 +118,26 @@ def _quiet_tensorflow() -> None:
         os.close(devnull)
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
     tf.get_logger().setLevel(logging.ERROR)
+
+
+def _show_progress() -> None:
+    """tfpolicy's INFO log lines (load, index, rewrite, save) on stderr."""
+    import logging  # noqa: PLC0415
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_ProgressFormatter())
+    package_logger = logging.getLogger("tfpolicy")
+    package_logger.handlers[:] = [handler]
+    package_logger.propagate = False
+    package_logger.setLevel(logging.WARNING if FLAGS.quiet else logging.INFO)
+
+
+class _ProgressFormatter:
+    """``tfpolicy: message`` for progress, ``tfpolicy: warning: message`` above INFO."""
+
+    def format(self, record) -> str:  # logging.Formatter protocol
+        level = "" if record.levelname == "INFO" else record.levelname.lower() + ": "
+        return f"tfpolicy: {level}{record.getMessage()}"
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
