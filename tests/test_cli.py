@@ -39,13 +39,6 @@ LAYER_PATHS = ("dense", "dense_1", "head")
 
 GOOD_MAP = {"default_policy": "mixed_bfloat16", "policy_map": {"head": "float32"}}
 
-PROGRESS_LINE_BUG = (
-    "tfpolicy bug: rewrite.py prints the progress line 'tfpolicy: rewriting IN -> OUT' "
-    "on stderr before the input, output and map are validated, so every user error found "
-    "after flag parsing prints two stderr lines instead of one"
-)
-
-
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
@@ -122,8 +115,6 @@ class ErrorCase:
     id: str
     setup: Callable[[pathlib.Path, pathlib.Path], tuple[list[str], pathlib.Path]]
     expect: tuple[object, ...]
-    one_line_xfail: Optional[str] = PROGRESS_LINE_BUG
-    contract_xfail: Optional[str] = None
 
 
 def _good_map(ws: pathlib.Path) -> str:
@@ -213,7 +204,7 @@ def _report_unwritable(ws, model):
 
 
 ERROR_CASES = [
-    ErrorCase("missing_map", _missing_map, ("--map", "required"), one_line_xfail=None),
+    ErrorCase("missing_map", _missing_map, ("--map", "required")),
     ErrorCase("map_file_missing", _map_file_missing, ("absent_map.json",)),
     ErrorCase("map_unreadable_directory", _map_is_directory, ("map_dir.json", "cannot read")),
     ErrorCase("map_invalid_json", _invalid_json, ("broken.json", "not valid JSON")),
@@ -231,21 +222,12 @@ ERROR_CASES = [
     ErrorCase("output_is_input", _output_is_input, ("keras3_mlp", "is the input")),
     ErrorCase("output_inside_input", _output_inside_input, ("inner_out", "inside the input")),
     ErrorCase("unknown_signature", _unknown_signature, ("'no_such_sig'", "serving_default")),
-    ErrorCase("unknown_flag", _unknown_flag, ("no_such_flag",), one_line_xfail=None),
+    ErrorCase("unknown_flag", _unknown_flag, ("no_such_flag",)),
     ErrorCase("strict_unused_key", _strict_unused_key, ("'no_such_layer'", "--strict")),
     ErrorCase(
         "report_path_unwritable",
         _report_unwritable,
         ("no_such_dir/report.json",),
-        one_line_xfail=(
-            "tfpolicy bug: with --report in a missing directory, stderr gets the progress "
-            "lines ('rewriting ...', 'wrote ...') before the error"
-        ),
-        contract_xfail=(
-            "tfpolicy bug: --report is written only after the rewrite has saved OUTPUT, so "
-            "an unwritable --report path exits 2 but leaves OUTPUT written "
-            "(rewrite.py: 'nothing is written then')"
-        ),
     ),
 ]
 
@@ -304,16 +286,10 @@ def error_runs(model_dir, tmp_path_factory, request):
     assert tree_digest(model_dir) == model_before, "an error case modified the input SavedModel"
 
 
-def _params(which: str):
-    params = []
-    for case in ERROR_CASES:
-        reason = getattr(case, which)
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        params.append(pytest.param(case, id=case.id, marks=marks))
-    return params
+ERROR_PARAMS = [pytest.param(case, id=case.id) for case in ERROR_CASES]
 
 
-@pytest.mark.parametrize("case", _params("contract_xfail"))
+@pytest.mark.parametrize("case", ERROR_PARAMS)
 def test_user_error_exits_2_names_problem_and_writes_nothing(case: ErrorCase, error_runs) -> None:
     run = error_runs(case)
     result = run.result
@@ -335,7 +311,7 @@ def test_user_error_exits_2_names_problem_and_writes_nothing(case: ErrorCase, er
     assert run.workspace_after == run.workspace_before, describe(result)
 
 
-@pytest.mark.parametrize("case", _params("one_line_xfail"))
+@pytest.mark.parametrize("case", ERROR_PARAMS)
 def test_user_error_is_exactly_one_stderr_line(case: ErrorCase, error_runs) -> None:
     result = error_runs(case).result
     lines = result.stderr.strip().splitlines()
@@ -445,10 +421,5 @@ def test_helpshort_mentions_map(helpshort: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in helpshort.stderr, describe(helpshort)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tfpolicy bug: --helpshort exits 1 (absl's default for help flags); "
-    "asking for help is not an error and the usage line points users to it",
-)
 def test_helpshort_exits_0(helpshort: subprocess.CompletedProcess) -> None:
     assert helpshort.returncode == 0, describe(helpshort)

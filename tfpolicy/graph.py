@@ -89,7 +89,9 @@ class Graph:
     ) -> Node:
         node = Node(self.unique_name(name), op, list(inputs), dict(attrs), device)
         self.nodes[node.name] = node
-        self._uses = None
+        if self._uses is not None:
+            for position, used in node.data_inputs():
+                self._uses.setdefault(str(used), []).append((node.name, position))
         return node
 
     # -- queries -------------------------------------------------------------
@@ -153,8 +155,12 @@ class Graph:
             if text.startswith("^"):
                 continue
             if seen == position:
+                old = text
                 consumer.inputs[i] = str(new)
-                self._uses = None
+                if self._uses is not None:  # keep the use table in step, O(uses of old)
+                    old_key = str(tf_names.parse_input(old)[0])
+                    self._uses[old_key] = [u for u in self._uses.get(old_key, []) if u != (consumer.name, position)]
+                    self._uses.setdefault(str(new), []).append((consumer.name, position))
                 return
             seen += 1
         raise IndexError(f"node '{consumer.name}' has no data input {position}")
@@ -165,7 +171,6 @@ class Graph:
         for key, ref in self.outputs.items():
             if ref == old:
                 self.outputs[key] = new
-        self._uses = None
 
     def invalidate(self) -> None:
         """Call after editing a node's inputs in place."""

@@ -43,8 +43,25 @@ def _fail(message: str) -> None:
 
 
 def _progress(message: str) -> None:
+    """A progress line: shown on an interactive stderr only (see _show_progress)."""
+    import logging  # noqa: PLC0415
+
+    logging.getLogger("tfpolicy").info(message)
+
+
+def _summary(message: str) -> None:
     if not FLAGS.quiet:
         print(f"tfpolicy: {message}", file=sys.stderr, flush=True)
+
+
+def _check_report_path() -> None:
+    if not FLAGS.report:
+        return
+    parent = os.path.dirname(os.path.abspath(FLAGS.report))
+    if not os.path.isdir(parent):
+        _fail(f"cannot write report '{FLAGS.report}': directory '{parent}' does not exist")
+    if not os.access(parent, os.W_OK) or os.path.isdir(FLAGS.report):
+        _fail(f"cannot write report '{FLAGS.report}': not a writable file location")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -54,6 +71,7 @@ def main(argv: Sequence[str]) -> None:
     wanted = 1 if FLAGS.explain else 2
     if len(positional) != wanted and not (FLAGS.explain and len(positional) == 2):
         _fail(f"expected {'INPUT [OUTPUT]' if FLAGS.explain else 'INPUT OUTPUT'}, got {len(positional)} argument(s); {USAGE}")
+    _check_report_path()
     _quiet_tensorflow()
     import tfpolicy  # noqa: PLC0415  (after the environment is set)
 
@@ -70,7 +88,7 @@ def main(argv: Sequence[str]) -> None:
                 positional[0], positional[1], FLAGS.map,
                 signatures=FLAGS.signatures, overwrite=FLAGS.overwrite, strict=FLAGS.strict,
             )
-            _progress(
+            _summary(
                 f"wrote {positional[1]} in {time.monotonic() - started:.1f}s: "
                 f"{sum(s.ops_retyped for s in report.signatures)} ops retyped, "
                 f"{report.casts_inserted} casts inserted, {report.casts_reused} reused, "
@@ -121,7 +139,11 @@ def _quiet_tensorflow() -> None:
 
 
 def _show_progress() -> None:
-    """tfpolicy's INFO log lines (load, index, rewrite, save) on stderr."""
+    """tfpolicy's log lines on stderr: warnings always, progress on a terminal.
+
+    Progress (load, index, rewrite, save) is for a person watching; when stderr
+    is a pipe or a file, a user error stays the only line there.
+    """
     import logging  # noqa: PLC0415
 
     handler = logging.StreamHandler(sys.stderr)
@@ -129,7 +151,8 @@ def _show_progress() -> None:
     package_logger = logging.getLogger("tfpolicy")
     package_logger.handlers[:] = [handler]
     package_logger.propagate = False
-    package_logger.setLevel(logging.WARNING if FLAGS.quiet else logging.INFO)
+    interactive = sys.stderr.isatty() and not FLAGS.quiet
+    package_logger.setLevel(logging.INFO if interactive else logging.WARNING)
 
 
 class _ProgressFormatter:
@@ -140,9 +163,17 @@ class _ProgressFormatter:
         return f"tfpolicy: {level}{record.getMessage()}"
 
 
+HELP_FLAGS = ("-h", "-?", "--help", "--helpshort", "--helpfull", "--helpxml")
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return FLAGS(argv)
+    except SystemExit:
+        # absl prints the help and exits 1; asking for help is not an error.
+        if any(arg in HELP_FLAGS for arg in argv[1:]):
+            sys.exit(0)
+        raise
     except flags.Error as exc:
         _fail(f"{exc}; {USAGE}")
         raise  # unreachable
