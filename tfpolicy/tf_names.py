@@ -104,18 +104,23 @@ def _expand_args(
     return slots
 
 
+def _signature_of(op_type: str, library: Mapping[str, op_def_pb2.OpDef] | None) -> op_def_pb2.OpDef:
+    """The OpDef of a registered op, else the signature of a library function."""
+    definition = op_def(op_type)
+    if definition is not None:
+        return definition
+    if library is None or op_type not in library:
+        raise KeyError(f"unknown op or function '{op_type}'")
+    return library[op_type]
+
+
 def output_slots(
     op_type: str,
     attrs: Mapping[str, attr_value_pb2.AttrValue],
     library: Mapping[str, op_def_pb2.OpDef] | None = None,
 ) -> list[ArgSlot]:
     """Output arguments of an op (or of a called library function), expanded."""
-    definition = op_def(op_type)
-    if definition is None:
-        if library is None or op_type not in library:
-            raise KeyError(f"unknown op or function '{op_type}'")
-        definition = library[op_type]
-    return _expand_args(definition.output_arg, attrs)
+    return _expand_args(_signature_of(op_type, library).output_arg, attrs)
 
 
 def input_slots(
@@ -123,12 +128,8 @@ def input_slots(
     attrs: Mapping[str, attr_value_pb2.AttrValue],
     library: Mapping[str, op_def_pb2.OpDef] | None = None,
 ) -> list[ArgSlot]:
-    definition = op_def(op_type)
-    if definition is None:
-        if library is None or op_type not in library:
-            raise KeyError(f"unknown op or function '{op_type}'")
-        definition = library[op_type]
-    return _expand_args(definition.input_arg, attrs)
+    """Input arguments of an op (or of a called library function), expanded."""
+    return _expand_args(_signature_of(op_type, library).input_arg, attrs)
 
 
 def flat_dtypes(slots: Sequence[ArgSlot]) -> list[int]:
