@@ -1,0 +1,45 @@
+"""The Python API: accepted map types, typed errors, nothing written on error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import keras
+import tfpolicy
+from model_zoo import run_signature
+
+
+def test_accepts_a_keras_dtype_policy_map_without_mutating_it(zoo, tmp_path):
+    model = zoo.get("keras3_mlp")
+    keras_map = keras.dtype_policies.DTypePolicyMap(default_policy="mixed_bfloat16")
+    keras_map["head"] = "float32"
+    report = tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", keras_map)
+    rows = {row.path: row for row in report.plan.rows()}
+    assert rows["head"].compute_dtype == "float32" and rows["dense"].compute_dtype == "bfloat16"
+    assert keras_map["head"].name == "float32"
+    inputs = model.sample_inputs["serving_default"]
+    assert run_signature(tmp_path / "out", "serving_default", inputs)["output_0"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "policy_map, error",
+    [
+        ({"default_policy": "float32", "policy_map": {"dense.*": "bfloat16", "d.*": "float16"}}, tfpolicy.AmbiguousPathError),
+        ({"default_policy": "float32", "policy_map": {"head": "int8_from_mixed_bfloat16"}}, tfpolicy.UnsupportedPolicyError),
+        ({"default_policy": "float32", "policy_map": {"dense_(": "bfloat16"}}, tfpolicy.PolicyMapError),
+    ],
+    ids=["ambiguous", "quantized", "bad_regex"],
+)
+def test_user_errors_are_typed_and_write_nothing(zoo, tmp_path, policy_map, error):
+    with pytest.raises(error) as raised:
+        tfpolicy.rewrite(zoo.get("keras3_mlp").saved_model_dir, tmp_path / "out", policy_map)
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_explain_shows_quantized_layers_without_applying_them(zoo):
+    report = tfpolicy.explain(zoo.get("keras3_mlp").saved_model_dir, {"policy_map": {"head": "int8_from_mixed_bfloat16"}})
+    row = {r.path: r for r in report.plan.rows()}["head"]
+    assert row.quantization_mode == "int8"
+    assert "not supported yet" in report.change(row)
