@@ -59,9 +59,9 @@ def rewrite(
     savedmodel_io.check_input_dir(input_path)
     savedmodel_io.check_output_dir(input_path, output_path, overwrite)
     report, state = _run(input_path, output_path, policy_map, signatures, strict, allow_quantized=False)
-    model, programs_modified, variable_dtypes = state
+    model, variable_dtypes = state
     logger.info("rebuilding %d signature(s)", len(model.signatures))
-    root, functions = _assemble(model, programs_modified, variable_dtypes)
+    root, functions = _assemble(model, variable_dtypes)
     logger.info("saving to %s", output_path)
     savedmodel_io.save_atomically(root, functions, output_path, overwrite)
     report.output_bytes = _directory_bytes(output_path)
@@ -90,7 +90,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, allow_quantize
             " only float policies (float32, bfloat16, float16, mixed_bfloat16, mixed_float16) can be applied"
         )
     variable_dtypes = choose_variable_dtypes(the_plan, index)
-    signature_reports, retyped, declined, modified = [], {}, {}, {}
+    signature_reports, retyped, declined = [], {}, {}
     for program in model.signatures.values():
         logger.info("rewriting signature %s (%d ops, %d functions)", program.key, len(program.graph.nodes), len(program.functions))
         sig_report = SignatureReport(program.key)
@@ -114,7 +114,6 @@ def _run(input_path, output_path, policy_map, signatures, strict, allow_quantize
                     bucket[reason] = bucket.get(reason, 0) + n
         sig_report.functions_rewritten = len(changed_functions)
         signature_reports.append(sig_report)
-        modified[program.key] = changed_functions
     converted = [
         {
             "name": index.variables[uid].name,
@@ -135,7 +134,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, allow_quantize
         warnings=warnings,
         input_bytes=_directory_bytes(input_path),
     )
-    return report, (model, modified, variable_dtypes)
+    return report, (model, variable_dtypes)
 
 
 class _PassAdapter:
@@ -152,7 +151,7 @@ class _PassAdapter:
         return PassResult(stats.modified)
 
 
-def _assemble(model, modified: dict[str, set[str]], variable_dtypes: dict[int, int]):
+def _assemble(model, variable_dtypes: dict[int, int]):
     """A fresh root tracking the rewritten signatures, their variables and resources."""
     from tensorflow.python.trackable import autotrackable  # noqa: PLC0415
 
