@@ -26,7 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import pytest

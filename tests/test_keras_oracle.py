@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras
 import tfpolicy

@@ -18,7 +18,7 @@ from tfpolicy import layer_index, savedmodel_io, tf_names
 from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import PassResult, run_passes
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
-from tfpolicy.plan import Plan, plan as make_plan
+from tfpolicy.plan import plan as make_plan
 from tfpolicy.policy_map import PolicyMap, PolicyMapSource
 from tfpolicy.report import Report, SignatureReport
 

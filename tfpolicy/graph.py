@@ -171,7 +171,3 @@ class Graph:
         for key, ref in self.outputs.items():
             if ref == old:
                 self.outputs[key] = new
-
-    def invalidate(self) -> None:
-        """Call after editing a node's inputs in place."""
-        self._uses = None

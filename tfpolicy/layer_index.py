@@ -34,7 +34,6 @@ from tfpolicy.tf_names import TensorRef
 logger = logging.getLogger(__name__)
 
 NORMALIZATION_VARIABLES = frozenset({"gamma", "beta", "moving_mean", "moving_variance"})
-RESOURCE_PASS_THROUGH = frozenset({"Identity", "IdentityN", "_Arg"})
 CALL_WRAPPER = re.compile(r"(Stateful)?PartitionedCall(_\d+)?")
 _UNIQUIFIED = re.compile(r"(.*)_\d+")
 CONTROL_FLOW_ARG_OFFSET = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1}

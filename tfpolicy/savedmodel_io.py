@@ -38,7 +38,6 @@ from tensorflow.python.util import nest
 from tfpolicy import tf_names
 from tfpolicy.errors import OutputError, SavedModelError
 from tfpolicy.graph import Graph, Node
-from tfpolicy.tf_names import TensorRef
 
 logger = logging.getLogger(__name__)
 

@@ -63,10 +63,6 @@ def parse_input(text: str) -> tuple[Optional[TensorRef], Optional[str]]:
     return TensorRef(text, 0), None
 
 
-def format_input(ref: TensorRef) -> str:
-    return str(ref)
-
-
 # ---------------------------------------------------------------------------
 # OpDef argument layout
 # ---------------------------------------------------------------------------
