@@ -26,7 +26,7 @@ def test_accepts_a_keras_dtype_policy_map_without_mutating_it(zoo, tmp_path):
     "policy_map, error",
     [
         ({"default_policy": "float32", "policy_map": {"dense.*": "bfloat16", "d.*": "float16"}}, tfpolicy.AmbiguousPathError),
-        ({"default_policy": "float32", "policy_map": {"head": "int8_from_mixed_bfloat16"}}, tfpolicy.UnsupportedPolicyError),
+        ({"default_policy": "float32", "policy_map": {"head": "int4_from_float32"}}, tfpolicy.UnsupportedPolicyError),
         ({"default_policy": "float32", "policy_map": {"dense_(": "bfloat16"}}, tfpolicy.PolicyMapError),
     ],
     ids=["ambiguous", "quantized", "bad_regex"],
@@ -38,8 +38,10 @@ def test_user_errors_are_typed_and_write_nothing(zoo, tmp_path, policy_map, erro
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
 
 
-def test_explain_shows_quantized_layers_without_applying_them(zoo):
+def test_explain_shows_quantized_layers_without_writing(zoo, tmp_path):
     report = tfpolicy.explain(zoo.get("keras3_mlp").saved_model_dir, {"policy_map": {"head": "int8_from_mixed_bfloat16"}})
     row = {r.path: r for r in report.plan.rows()}["head"]
     assert row.quantization_mode == "int8"
-    assert "not supported yet" in report.change(row)
+    assert report.change(row).startswith("int8: 2 ops quantized (kernel_scale ")  # serve + serving_default
+    assert report.quantization["head"].variables == ["head/kernel", "head/kernel_scale"]
+    assert report.output_dir is None

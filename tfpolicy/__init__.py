@@ -26,6 +26,7 @@ _EXPORTS = {
     "SavedModelError": "tfpolicy.errors",
     "OutputError": "tfpolicy.errors",
     "StrictModeError": "tfpolicy.errors",
+    "InputDataError": "tfpolicy.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,30 +1,35 @@
 """The Python API: ``tfpolicy.rewrite`` and ``tfpolicy.explain``.
 
     SavedModel dir --load--> graphs + variables --index--> layer paths
-        --plan--> per-layer policy --passes--> retyped graphs --save--> new dir
+        --plan--> per-layer policy (+ quantization sites) --passes--> float pass, quantize pass
+        --assemble--> root object --calibrate (float8, optional)--> --save--> new dir
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
+import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import types_pb2
 
-from tfpolicy import layer_index, savedmodel_io, tf_names
-from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
+from tfpolicy import assemble, calibration, layer_index, quant_sites, savedmodel_io, tf_names
+from tfpolicy.errors import InputDataError, StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import PassResult, run_passes
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
+from tfpolicy.passes.quantize import NewVariable, QuantizePass, build_variables
+from tfpolicy.plan import Plan
 from tfpolicy.plan import plan as make_plan
 from tfpolicy.policy_map import PolicyMap, PolicyMapSource
-from tfpolicy.report import Report, SignatureReport
+from tfpolicy.report import Report, SignatureReport, quantization_rows
 
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
+CALIBRATION_SIGNATURE = "serving_default"
 
 
 def explain(
@@ -35,8 +40,7 @@ def explain(
     strict: bool = False,
 ) -> Report:
     """Everything :func:`rewrite` would do, without writing anything."""
-    report, _ = _run(pathlib.Path(input_dir), None, policy_map, signatures, strict, allow_quantized=True)
-    return report
+    return _run(pathlib.Path(input_dir), None, policy_map, signatures, strict).report
 
 
 def rewrite(
@@ -47,30 +51,63 @@ def rewrite(
     signatures: Optional[Sequence[str]] = None,
     overwrite: bool = False,
     strict: bool = False,
+    calibration_data: calibration.CalibrationSource = None,
+    calibration_batches: Optional[int] = None,
+    calibration_progress: Optional[Callable[[int], None]] = None,
 ) -> Report:
     """Write a copy of the SavedModel at ``input_dir`` with ``policy_map`` applied.
 
     ``policy_map`` is a JSON file path, a dict in either accepted form, a
-    ``keras.dtype_policies.DTypePolicyMap`` or a :class:`PolicyMap`. Raises a
-    :class:`~tfpolicy.errors.TfPolicyError` for every user error, before anything
-    is written. The input directory is never modified.
+    ``keras.dtype_policies.DTypePolicyMap`` or a :class:`PolicyMap`.
+
+    ``calibration_data`` (float8 policies) is an ``.npz`` path, an iterable of
+    ``{input name: batch}`` dicts or a ``tf.data.Dataset`` for the
+    ``serving_default`` signature; at most ``calibration_batches`` batches are
+    run, and ``calibration_progress(n)`` is called after each.
+
+    Raises a :class:`~tfpolicy.errors.TfPolicyError` for every user error,
+    before anything is written. The input directory is never modified.
     """
     input_path, output_path = pathlib.Path(input_dir), pathlib.Path(output_dir)
     savedmodel_io.check_input_dir(input_path)
     savedmodel_io.check_output_dir(input_path, output_path, overwrite)
-    report, state = _run(input_path, output_path, policy_map, signatures, strict, allow_quantized=False)
-    model, variable_dtypes = state
-    logger.info("rebuilding %d signature(s)", len(model.signatures))
-    root, functions = _assemble(model, variable_dtypes)
+    state = _run(input_path, output_path, policy_map, signatures, strict)
+    logger.info("rebuilding %d signature(s)", len(state.model.signatures))
+    built = assemble.assemble(
+        state.model, state.variable_dtypes, state.new_variables, state.new_captures, state.calibration
+    )
+    report = state.report
+    if state.qplan.float8_groups:
+        _calibrate(built, state, report, calibration_data, calibration_batches, calibration_progress)
+    elif calibration_data is not None:
+        report.warnings.append("calibration data given but no layer is float8; it was not used")
+        logger.warning(report.warnings[-1])
+    values = {name: variable.numpy() for name, variable in built.new_variables.items()}
+    report.quantization = quantization_rows(state.qplan, state.quantized, values)
     logger.info("saving to %s", output_path)
-    savedmodel_io.save_atomically(root, functions, output_path, overwrite)
+    savedmodel_io.save_atomically(built.root, built.signatures, output_path, overwrite)
     report.output_bytes = _directory_bytes(output_path)
     logger.debug("wrote %s", output_path)
     return report
 
 
-def _run(input_path, output_path, policy_map, signatures, strict, allow_quantized):
-    """Load, index, plan and run the passes; returns the report and what saving needs."""
+@dataclasses.dataclass
+class _State:
+    """What the pipeline has produced before assembling: plan, edited graphs, variables."""
+
+    model: savedmodel_io.LoadedModel
+    plan: Plan
+    qplan: quant_sites.QuantPlan
+    variable_dtypes: dict[int, int]
+    new_variables: dict[str, NewVariable]
+    new_captures: dict[str, dict[str, str]]
+    quantized: dict[str, int]
+    calibration: Optional[tuple[str, dict]]
+    report: Report
+
+
+def _run(input_path, output_path, policy_map, signatures, strict) -> _State:
+    """Load, index, plan and run the passes."""
     policy = PolicyMap.load(policy_map)
     logger.info("loading %s", input_path)
     model = savedmodel_io.load(input_path, signatures)
@@ -78,42 +115,40 @@ def _run(input_path, output_path, policy_map, signatures, strict, allow_quantize
     index = layer_index.build(model)
     outside = sum(1 for _ in index.nodes_of(None))
     the_plan = make_plan(policy, index, outside)
+    _refuse_unsupported_modes(the_plan)
+    qplan = quant_sites.analyze(model, index, the_plan)
     warnings = [f"policy map key '{key}' matches no layer" for key in the_plan.unused_keys]
+    if qplan.layers_without_sites:
+        warnings.append(
+            "quantized policy on layer(s) with no matmul-like op to quantize, which run in their source policy: "
+            + ", ".join(path for path, _ in qplan.layers_without_sites)
+        )
     if strict and warnings:
         raise StrictModeError(warnings[0] + " (--strict)")
     for message in warnings:
         logger.warning(message)
-    if not allow_quantized and the_plan.quantized:
-        layers = ", ".join(p.path or "(default)" for p in the_plan.quantized)
-        raise UnsupportedPolicyError(
-            f"quantized policy {the_plan.quantized[0].policy!r} (layers: {layers}) is not supported yet;"
-            " only float policies (float32, bfloat16, float16, mixed_bfloat16, mixed_float16) can be applied"
-        )
-    variable_dtypes = choose_variable_dtypes(the_plan, index)
+    values_by_uid = {id(v): v for v in model.variables}
+    new_variables = build_variables(qplan, lambda uid: values_by_uid[uid].numpy())
+    variable_dtypes = choose_variable_dtypes(the_plan, index, skip=set(qplan.int8_kernels))
+
     signature_reports, retyped, declined = [], {}, {}
+    new_captures: dict[str, dict[str, str]] = {}
+    quantized: dict[str, int] = {}
+    calibration_target = _calibration_signature(model, qplan)
+    calibration_outputs = None
     for program in model.signatures.values():
         logger.info("rewriting signature %s (%d ops, %d functions)", program.key, len(program.graph.nodes), len(program.functions))
-        sig_report = SignatureReport(program.key)
-        changed_functions: set[str] = set()
-        passes = []
-        for graph in program.all_graphs():
-            float_pass = FloatPrecisionPass(program.key, graph, index, the_plan, variable_dtypes)
-            passes.append((f"float_precision[{program.key}:{graph.name}]", _PassAdapter(float_pass, graph, changed_functions, program)))
-        run_passes(passes)
-        for _, result_holder in passes:
-            stats = result_holder.stats  # type: ignore[attr-defined]
-            sig_report.casts_inserted += stats.casts_inserted
-            sig_report.casts_reused += stats.casts_reused
-            sig_report.casts_folded += stats.casts_folded
-            sig_report.ops_retyped += sum(stats.retyped.values())
-            for layer, n in stats.retyped.items():
-                retyped[layer] = retyped.get(layer, 0) + n
-            for layer, reasons in stats.declined.items():
-                bucket = declined.setdefault(layer, {})
-                for reason, n in reasons.items():
-                    bucket[reason] = bucket.get(reason, 0) + n
-        sig_report.functions_rewritten = len(changed_functions)
-        signature_reports.append(sig_report)
+        float_passes = [FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes) for g in program.all_graphs()]
+        quantize = QuantizePass(program.key, program.graph, index, qplan, new_variables)
+        steps = [(f"float_precision[{program.key}:{p.graph.name}]", _adapt(p.run)) for p in float_passes]
+        steps.append((f"quantize[{program.key}]", lambda q=quantize: PassResult(q.run().modified)))
+        run_passes(steps)
+        if program.key == calibration_target:
+            calibration_outputs = calibration.add_calibration_outputs(quantize)
+        new_captures[program.key] = dict(quantize.result.new_captures)
+        for layer, n in quantize.result.quantized.items():
+            quantized[layer] = quantized.get(layer, 0) + n
+        signature_reports.append(_signature_report(program, float_passes, quantize, retyped, declined))
     converted = [
         {
             "name": index.variables[uid].name,
@@ -133,69 +168,106 @@ def _run(input_path, output_path, policy_map, signatures, strict, allow_quantize
         variables_converted=converted,
         warnings=warnings,
         input_bytes=_directory_bytes(input_path),
+        quantization=quantization_rows(qplan, quantized, {n: v.value for n, v in new_variables.items()}),
     )
-    return report, (model, variable_dtypes)
+    calibration_spec = (calibration_target, calibration_outputs) if calibration_outputs else None
+    return _State(model, the_plan, qplan, variable_dtypes, new_variables, new_captures, quantized, calibration_spec, report)
 
 
-class _PassAdapter:
-    """Adapts a FloatPrecisionPass to the pass manager's callable contract."""
-
-    def __init__(self, float_pass: FloatPrecisionPass, graph, changed: set[str], program) -> None:
-        self.float_pass, self.graph, self.changed, self.program = float_pass, graph, changed, program
-        self.stats = float_pass.stats
-
-    def __call__(self) -> PassResult:
-        stats = self.float_pass.run()
-        if stats.modified and self.graph.is_function:
-            self.changed.add(self.graph.name)
-        return PassResult(stats.modified)
+def _adapt(run: Callable) -> Callable[[], PassResult]:
+    return lambda: PassResult(run().modified)
 
 
-def _assemble(model, variable_dtypes: dict[int, int]):
-    """A fresh root tracking the rewritten signatures, their variables and resources."""
-    from tensorflow.python.trackable import autotrackable  # noqa: PLC0415
-
-    new_variables: dict[int, tf.Variable] = {}
-    kept: dict[int, tf.Variable] = {}
-    functions = {}
-    for program in model.signatures.values():
-        handles = {}
-        for placeholder, capture in program.captures.items():
-            variable = capture.variable
-            if variable is not None and id(variable) in variable_dtypes:
-                if id(variable) not in new_variables:
-                    dtype = tf.dtypes.as_dtype(variable_dtypes[id(variable)])
-                    new_variables[id(variable)] = tf.Variable(
-                        tf.cast(variable, dtype), name=variable.name.split(":")[0], trainable=variable.trainable
-                    )
-                handles[placeholder] = new_variables[id(variable)].handle
-                _retype_capture_placeholder(program, placeholder, variable_dtypes[id(variable)])
-            else:
-                if variable is not None:
-                    kept[id(variable)] = variable
-                handles[placeholder] = capture.handle
-        graph_def = savedmodel_io.build_graph_def(program)
-        functions[program.key] = savedmodel_io.rebuild_function(program, graph_def, handles)
-    root = autotrackable.AutoTrackable()
-    root.tfpolicy_variables = list(kept.values()) + list(new_variables.values())
-    root.tfpolicy_resources = savedmodel_io.tracked_resources(model.root)
-    for key, function in functions.items():
-        setattr(root, _attribute_name(key), function)
-    return root, functions
+def _signature_report(program, float_passes, quantize, retyped, declined) -> SignatureReport:
+    sig_report = SignatureReport(program.key)
+    changed = 0
+    for float_pass in float_passes:
+        stats = float_pass.stats
+        sig_report.casts_inserted += stats.casts_inserted
+        sig_report.casts_reused += stats.casts_reused
+        sig_report.casts_folded += stats.casts_folded
+        sig_report.ops_retyped += sum(stats.retyped.values())
+        changed += int(stats.modified and float_pass.graph.is_function)
+        for layer, n in stats.retyped.items():
+            retyped[layer] = retyped.get(layer, 0) + n
+        for layer, reasons in stats.declined.items():
+            bucket = declined.setdefault(layer, {})
+            for reason, n in reasons.items():
+                bucket[reason] = bucket.get(reason, 0) + n
+    sig_report.functions_rewritten = changed
+    sig_report.ops_quantized = sum(quantize.result.quantized.values())
+    return sig_report
 
 
-def _retype_capture_placeholder(program, placeholder: str, dtype: int) -> None:
-    node = program.graph.nodes.get(placeholder)
-    if node is None:
+def _refuse_unsupported_modes(the_plan: Plan) -> None:
+    unsupported = [p for p in the_plan.quantized if p.quantization_mode not in quant_sites.SUPPORTED_MODES]
+    if unsupported:
+        layers = ", ".join(p.path or "(default)" for p in unsupported)
+        raise UnsupportedPolicyError(
+            f"quantized policy {unsupported[0].policy!r} (layers: {layers}) is not supported;"
+            " tfpolicy applies int8_from_* and float8_from_* policies"
+        )
+
+
+def _calibration_signature(model, qplan: quant_sites.QuantPlan) -> Optional[str]:
+    if not qplan.float8_groups:
+        return None
+    keys = [s.signature for s in qplan.sites if s.mode == "float8"]
+    return CALIBRATION_SIGNATURE if CALIBRATION_SIGNATURE in keys else (min(keys) if keys else None)
+
+
+def _calibrate(built, state: _State, report: Report, data, max_batches, progress) -> None:
+    groups = sorted(g.prefix for g in state.qplan.float8_groups.values())
+    if data is None:
+        report.warnings.append(
+            "float8 layers without calibration data keep input scale 1 (Keras's initial state): " + ", ".join(groups)
+        )
+        logger.warning(report.warnings[-1])
         return
-    handle_dtypes = node.attrs.get("_handle_dtypes")
-    if handle_dtypes is not None:
-        handle_dtypes.list.type[:] = [dtype if t == types_pb2.DT_FLOAT else t for t in handle_dtypes.list.type]
+    if built.calibrate is None:
+        return
+    signature = state.calibration[0]
+    function = state.model.signatures[signature].function
+    batches = calibration.iterate_batches(data, _load_npz)
+    checked = (_check_batch(batch, signature, function) for batch in batches)
+    logger.info("calibrating %d float8 layer group(s) on signature %s", len(groups), signature)
+    count = calibration.run(built.calibrate, checked, max_batches=max_batches, progress=progress)
+    if count == 0:
+        raise InputDataError("calibration data holds no batch")
+    report.calibration_batches = count
 
 
-def _attribute_name(key: str) -> str:
-    safe = "".join(c if c.isalnum() or c == "_" else "_" for c in key)
-    return f"signature_{safe}"
+def _check_batch(batch: dict, signature: str, function) -> dict:
+    _, specs = function.structured_input_signature
+    missing = sorted(set(specs) - set(batch))
+    extra = sorted(set(batch) - set(specs))
+    if missing or extra:
+        raise InputDataError(
+            f"calibration batch for signature '{signature}' must have inputs {sorted(specs)};"
+            + (f" missing {missing}" if missing else "") + (f" unexpected {extra}" if extra else "")
+        )
+    converted = {}
+    for name, spec in specs.items():
+        value = batch[name]
+        try:
+            tensor = tf.convert_to_tensor(value)
+            if tensor.dtype != spec.dtype and tensor.dtype.is_floating and spec.dtype.is_floating:
+                tensor = tf.cast(tensor, spec.dtype)
+        except (TypeError, ValueError) as exc:
+            raise InputDataError(f"calibration input '{name}' cannot be read as a tensor: {exc}") from exc
+        if tensor.dtype != spec.dtype or not spec.shape.is_compatible_with(tensor.shape):
+            raise InputDataError(
+                f"calibration input '{name}' of signature '{signature}': expected {spec.dtype.name} {spec.shape},"
+                f" got {tensor.dtype.name} {tensor.shape}"
+            )
+        converted[name] = tensor
+    return converted
+
+
+def _load_npz(path) -> dict[str, np.ndarray]:
+    from tfpolicy import inputs  # noqa: PLC0415
+
+    return inputs.load_npz(path, what="calibration data")
 
 
 def _directory_bytes(path: pathlib.Path) -> int:

@@ -33,6 +33,10 @@ class OutputError(TfPolicyError):
     """The output location is refused (exists, equals or lies inside the input)."""
 
 
+class InputDataError(TfPolicyError):
+    """Calibration or validation data is missing, unreadable or does not fit a signature."""
+
+
 class StrictModeError(TfPolicyError):
     """A warning that ``strict=True`` turns into an error (e.g. an unused key)."""
 

@@ -171,3 +171,42 @@ class Graph:
         for key, ref in self.outputs.items():
             if ref == old:
                 self.outputs[key] = new
+
+    def redefine(
+        self,
+        node: Node,
+        op: str,
+        inputs: Iterable[str],
+        attrs: Mapping[str, attr_value_pb2.AttrValue],
+    ) -> None:
+        """Give ``node`` a new op, inputs and attributes, keeping its name.
+
+        Its consumers keep reading it by name, so a tensor of the original
+        graph keeps its name when what computes it changes.
+        """
+        if self._uses is not None:
+            for position, used in node.data_inputs():
+                key = str(used)
+                self._uses[key] = [u for u in self._uses.get(key, []) if u != (node.name, position)]
+        node.op, node.inputs, node.attrs = op, list(inputs), dict(attrs)
+        if self._uses is not None:
+            for position, used in node.data_inputs():
+                self._uses.setdefault(str(used), []).append((node.name, position))
+
+    def add_const(self, name: str, value: "np.ndarray", device: str = "") -> Node:
+        """A ``Const`` node holding ``value`` (its dtype and shape)."""
+        import numpy as np  # noqa: PLC0415
+        from tensorflow.python.framework import tensor_util  # noqa: PLC0415
+
+        array = np.asarray(value)
+        proto = tensor_util.make_tensor_proto(array)
+        return self.add_node(
+            "Const",
+            name,
+            [],
+            {
+                "dtype": attr_value_pb2.AttrValue(type=proto.dtype),
+                "value": attr_value_pb2.AttrValue(tensor=proto),
+            },
+            device,
+        )

@@ -151,6 +151,10 @@ class LayerIndex:
                 return self.variables[uid]
         return None
 
+    def variable_of(self, signature: str, graph: Graph, ref: TensorRef) -> Optional[int]:
+        """The uid of the variable whose resource ``ref`` carries, if traced."""
+        return self._resources.get((signature, graph.name), {}).get(str(ref))
+
     def nodes_of(self, path: Optional[str]) -> list[tuple[str, str, str]]:
         return [key for key, value in self._node_layer.items() if value == path]
 

@@ -12,6 +12,7 @@ import pathlib
 from typing import Optional
 
 from tfpolicy.plan import LayerPlan, Plan
+from tfpolicy.quant_sites import QuantPlan
 
 OUTSIDE = "(outside every layer)"
 
@@ -24,6 +25,67 @@ class SignatureReport:
     casts_folded: int = 0
     ops_retyped: int = 0
     functions_rewritten: int = 0
+    ops_quantized: int = 0
+
+
+@dataclasses.dataclass
+class QuantizedLayer:
+    """What quantization did to one layer: ops, declines, variables, scale ranges."""
+
+    path: str
+    mode: str
+    ops_quantized: int
+    declined: dict[str, int]  # reason -> count
+    variables: list[str]
+    scales: dict[str, tuple[float, float]]  # variable name -> (min, max)
+
+    def summary(self) -> str:
+        if not self.ops_quantized:
+            text = f"{self.mode}: no matmul-like op quantized"
+        else:
+            ranges = ", ".join(f"{name.rsplit('/', 1)[-1]} {lo:.3g}..{hi:.3g}" if lo != hi
+                               else f"{name.rsplit('/', 1)[-1]} {lo:.3g}" for name, (lo, hi) in self.scales.items())
+            ops = "op" if self.ops_quantized == 1 else "ops"
+            text = f"{self.mode}: {self.ops_quantized} {ops} quantized ({ranges})"
+        if self.declined:
+            text += "; declined: " + "; ".join(f"{n} x {reason}" for reason, n in sorted(self.declined.items()))
+        return text
+
+
+def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: dict) -> dict[str, QuantizedLayer]:
+    """One :class:`QuantizedLayer` per layer with a site, a declined op or no op at all.
+
+    ``values`` maps the added variables' names to their current values.
+    """
+    layers: dict[str, QuantizedLayer] = {}
+
+    def row(path: str, mode: str) -> QuantizedLayer:
+        return layers.setdefault(path, QuantizedLayer(path, mode, quantized.get(path, 0), {}, [], {}))
+
+    for site in qplan.sites:
+        row(site.layer, site.mode)
+    for declined in qplan.declined:
+        bucket = row(declined.layer, declined.mode).declined
+        bucket[declined.reason] = bucket.get(declined.reason, 0) + 1
+    for path, mode in qplan.layers_without_sites:
+        row(path, mode)
+    for kernel in qplan.int8_kernels.values():
+        entry = row(kernel.layer, "int8")
+        entry.variables += [kernel.name, kernel.scale_name]
+        entry.scales[kernel.scale_name] = _range(values[kernel.scale_name])
+    for group in qplan.float8_groups.values():
+        entry = row(group.layer, "float8")
+        entry.variables += [group.name(k) for k in ("inputs_scale", "kernel_scale", "inputs_amax_history", "kernel_amax_history")]
+        for kind in ("inputs_scale", "kernel_scale"):
+            entry.scales[group.name(kind)] = _range(values[group.name(kind)])
+    return dict(sorted(layers.items()))
+
+
+def _range(value) -> tuple[float, float]:
+    import numpy as np  # noqa: PLC0415
+
+    array = np.asarray(value, dtype=np.float64)
+    return float(array.min()), float(array.max())
 
 
 @dataclasses.dataclass
@@ -38,6 +100,8 @@ class Report:
     warnings: list[str]
     input_bytes: int = 0
     output_bytes: Optional[int] = None
+    quantization: dict[str, QuantizedLayer] = dataclasses.field(default_factory=dict)
+    calibration_batches: int = 0
 
     @property
     def casts_inserted(self) -> int:
@@ -49,8 +113,13 @@ class Report:
 
     def change(self, layer: LayerPlan) -> str:
         """One phrase: what the rewrite does to this layer."""
-        if layer.quantization_mode:
-            return f"{layer.quantization_mode} quantization: not supported yet"
+        quantized = self.quantization.get(layer.path) if layer.path is not None else None
+        base = self._float_change(layer)
+        if quantized is None:
+            return base
+        return f"{quantized.summary()}; {base}"
+
+    def _float_change(self, layer: LayerPlan) -> str:
         retyped = self.retyped_by_layer.get(layer.path, 0)
         declined = self.declined_by_layer.get(layer.path, {})
         if layer.compute_dtype == "float32" and not retyped:
@@ -82,6 +151,8 @@ class Report:
             "casts_inserted": self.casts_inserted,
             "casts_reused": self.casts_reused,
             "variables_converted": self.variables_converted,
+            "quantization": {path: dataclasses.asdict(q) for path, q in self.quantization.items()},
+            "calibration_batches": self.calibration_batches,
             "unused_keys": list(self.plan.unused_keys),
             "warnings": self.warnings,
             "input_bytes": self.input_bytes,
@@ -113,6 +184,7 @@ class Report:
             lines.append(
                 f"signature {s.key}: {s.ops_retyped} ops retyped, {s.casts_inserted} casts inserted,"
                 f" {s.casts_reused} reused, {s.casts_folded} folded"
+                + (f", {s.ops_quantized} ops quantized" if s.ops_quantized else "")
             )
         for key in self.plan.unused_keys:
             lines.append(f"warning: policy map key '{key}' matches no layer")

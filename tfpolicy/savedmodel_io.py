@@ -38,6 +38,7 @@ from tensorflow.python.util import nest
 from tfpolicy import tf_names
 from tfpolicy.errors import OutputError, SavedModelError
 from tfpolicy.graph import Graph, Node
+from tfpolicy.tf_names import TensorRef
 
 logger = logging.getLogger(__name__)
 
@@ -306,16 +307,27 @@ def _rename_function_refs(node_defs, renames: dict[str, str]) -> None:
                     func.name = renames[func.name]
 
 
-def rebuild_function(program: SignatureProgram, graph_def: graph_pb2.GraphDef, handles: dict[str, object]):
-    """A ConcreteFunction from the edited GraphDef, captures mapped to ``handles``."""
-    outputs = {key: f"{ref.node}:{ref.index}" for key, ref in program.graph.outputs.items()}
+def rebuild_function(
+    program: SignatureProgram,
+    graph_def: graph_pb2.GraphDef,
+    handles: dict[str, object],
+    outputs: Optional[dict[str, TensorRef]] = None,
+):
+    """A ConcreteFunction from the edited GraphDef, captures mapped to ``handles``.
+
+    By default it returns the signature's outputs, structured as the original's;
+    ``outputs`` asks for other tensors of the same graph instead, as a dict.
+    """
+    wanted = program.graph.outputs if outputs is None else outputs
+    names = {key: f"{ref.node}:{ref.index}" for key, ref in wanted.items()}
     new_function = wrap_function.function_from_graph_def(
-        graph_def, program.input_tensors, outputs, handles
+        graph_def, program.input_tensors, names, handles
     )
     original = program.function
-    new_function.graph.structured_outputs = nest.pack_sequence_as(
-        original.graph.structured_outputs, nest.flatten(new_function.graph.structured_outputs)
-    )
+    if outputs is None:
+        new_function.graph.structured_outputs = nest.pack_sequence_as(
+            original.graph.structured_outputs, nest.flatten(new_function.graph.structured_outputs)
+        )
     new_function.graph.structured_input_signature = original.structured_input_signature
     return new_function
 

@@ -38,6 +38,14 @@ def dtype_name(dtype: int) -> str:
     return DTYPE_NAMES.get(dtype) or types_pb2.DataType.Name(dtype)
 
 
+def type_attr(dtype: int) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(type=dtype)
+
+
+def bool_attr(value: bool) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(b=value)
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class TensorRef:
     """One output of one node: ``node:index`` in the flat form."""

@@ -272,12 +272,15 @@ def _convert_tensor(value: attr_value_pb2.AttrValue, dtype: int) -> attr_value_p
     return attr_value_pb2.AttrValue(tensor=converted)
 
 
-def choose_variable_dtypes(plan: Plan, index: LayerIndex) -> dict[int, int]:
-    """Variables whose layer's policy stores them in another float dtype."""
+def choose_variable_dtypes(plan: Plan, index: LayerIndex, skip: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:
+    """Variables whose layer's policy stores them in another float dtype.
+
+    ``skip`` holds the uids of variables another pass replaces (int8 kernels).
+    """
     chosen = {}
     for info in index.variables.values():
         layer_plan = plan.for_layer(info.layer_path)
         target = layer_plan.variable_enum
-        if layer_plan.quantization_mode is None and info.dtype == types_pb2.DT_FLOAT and target in FLOAT_DTYPES and target != info.dtype:
+        if info.uid not in skip and info.dtype == types_pb2.DT_FLOAT and target in FLOAT_DTYPES and target != info.dtype:
             chosen[info.uid] = target
     return chosen

@@ -1,0 +1,116 @@
+"""Rewritten graphs + variables -> a root object that ``tf.saved_model.save`` writes.
+
+    root
+    ├── signature_<key>          one ConcreteFunction per rewritten signature
+    ├── tfpolicy_variables       every variable the signatures use
+    ├── tfpolicy_resources       tables and assets of the input, kept alive
+    └── tfpolicy                 (only when a policy quantizes)
+        ├── variables            exactly the variables the quantization added
+        └── calibrate(**inputs)  float8 only: updates input histories and scales
+
+Variables come in three kinds: kept (the loaded ones, unchanged), converted
+(a float variable stored in another float dtype) and new (int8 kernels, scales,
+amax histories: :class:`~tfpolicy.passes.quantize.NewVariable`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+
+from tfpolicy import savedmodel_io
+from tfpolicy.passes.quantize import NewVariable
+from tfpolicy.savedmodel_io import LoadedModel, SignatureProgram
+from tfpolicy.tf_names import TensorRef
+
+
+class QuantizationModule(tf.Module):
+    """The output's ``tfpolicy`` child.
+
+    ``variables`` is a plain tracked list rather than ``tf.Module``'s property
+    so that it is saved and comes back from ``tf.saved_model.load``.
+    """
+
+    variables = None  # shadows tf.Module.variables; set per instance
+
+    def __init__(self, variables: list[tf.Variable]) -> None:
+        super().__init__(name="tfpolicy")
+        self.variables = list(variables)
+
+
+@dataclasses.dataclass
+class Assembled:
+    root: object
+    signatures: dict[str, object]
+    new_variables: dict[str, tf.Variable]
+    calibrate: Optional[object]
+
+
+def assemble(
+    model: LoadedModel,
+    variable_dtypes: dict[int, int],
+    new_variables: dict[str, NewVariable],
+    new_captures: dict[str, dict[str, str]],
+    calibration: Optional[tuple[str, dict[str, TensorRef]]] = None,
+) -> Assembled:
+    """Build the root; ``calibration`` is (signature key, calibrate outputs) or None."""
+    from tensorflow.python.trackable import autotrackable  # noqa: PLC0415
+
+    created = {name: tf.Variable(spec.value, name=name, trainable=False) for name, spec in new_variables.items()}
+    replaced = {spec.replaces: created[name] for name, spec in new_variables.items() if spec.replaces is not None}
+    converted: dict[int, tf.Variable] = {}
+    kept: dict[int, tf.Variable] = {}
+    functions, calibrate = {}, None
+    for program in model.signatures.values():
+        handles = {}
+        for placeholder, capture in program.captures.items():
+            variable = capture.variable
+            uid = id(variable) if variable is not None else None
+            if uid in replaced:
+                handles[placeholder] = replaced[uid].handle
+                _retype_capture_placeholder(program, placeholder, replaced[uid].dtype.as_datatype_enum)
+            elif uid in variable_dtypes:
+                if uid not in converted:
+                    dtype = tf.dtypes.as_dtype(variable_dtypes[uid])
+                    converted[uid] = tf.Variable(
+                        tf.cast(variable, dtype), name=variable.name.split(":")[0], trainable=variable.trainable
+                    )
+                handles[placeholder] = converted[uid].handle
+                _retype_capture_placeholder(program, placeholder, variable_dtypes[uid])
+            else:
+                if variable is not None:
+                    kept[uid] = variable
+                handles[placeholder] = capture.handle
+        for placeholder, name in new_captures.get(program.key, {}).items():
+            handles[placeholder] = created[name].handle
+        graph_def = savedmodel_io.build_graph_def(program)
+        functions[program.key] = savedmodel_io.rebuild_function(program, graph_def, handles)
+        if calibration is not None and calibration[0] == program.key:
+            calibrate = savedmodel_io.rebuild_function(program, graph_def, handles, outputs=calibration[1])
+    root = autotrackable.AutoTrackable()
+    root.tfpolicy_variables = list(kept.values()) + list(converted.values()) + list(created.values())
+    root.tfpolicy_resources = savedmodel_io.tracked_resources(model.root)
+    for key, function in functions.items():
+        setattr(root, _attribute_name(key), function)
+    if created:
+        root.tfpolicy = QuantizationModule([created[name] for name in sorted(created)])
+        if calibrate is not None:
+            root.tfpolicy.calibrate = calibrate
+    return Assembled(root, functions, created, calibrate)
+
+
+def _retype_capture_placeholder(program: SignatureProgram, placeholder: str, dtype: int) -> None:
+    node = program.graph.nodes.get(placeholder)
+    if node is None:
+        return
+    handle_dtypes = node.attrs.get("_handle_dtypes")
+    if handle_dtypes is not None:
+        handle_dtypes.list.type[:] = [dtype if t == types_pb2.DT_FLOAT else t for t in handle_dtypes.list.type]
+
+
+def _attribute_name(key: str) -> str:
+    safe = "".join(c if c.isalnum() or c == "_" else "_" for c in key)
+    return f"signature_{safe}"

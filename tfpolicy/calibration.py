@@ -1,0 +1,144 @@
+"""float8 calibration: the ``calibrate`` function and the loop that feeds it.
+
+The rewritten model carries ``tfpolicy.calibrate(**inputs)``: the serving
+graph plus, for each float8 layer, Keras's delayed-scaling update from the
+batch's input amax (``compute_float8_amax_history`` then
+``compute_float8_scale`` over the history)::
+
+    x (a float8 layer's input) -> Abs -> Max -> Cast(f32) -> [Maximum over call sites] = amax
+    history' = TensorScatterUpdate(Roll(history, -1), [[0]], amax)      -> AssignVariableOp
+    scale'   = 1 / where(finite(m) & m > 0, 448 / m, 1 / scale), m = Max(history')
+                                                                           -> AssignVariableOp
+    outputs: {"<layer>/inputs_scale": scale'}
+
+Each assignment waits for the forward pass's read of the same variable.
+:func:`run` feeds it batches from an ``.npz`` file, an iterable of input dicts
+or a ``tf.data.Dataset``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfpolicy import quant_math
+from tfpolicy.passes.quantize import CAPTURE_SCOPE, F32, INT32, QuantizePass
+from tfpolicy.tf_names import TensorRef
+from tfpolicy.tf_names import bool_attr as _bool
+from tfpolicy.tf_names import type_attr as _type
+
+logger = logging.getLogger(__name__)
+
+CalibrationSource = Any  # npz path, iterable of {input name: array}, or tf.data.Dataset
+
+
+def add_calibration_outputs(qpass: QuantizePass) -> dict[str, TensorRef]:
+    """Add the update ops for every float8 group tapped in ``qpass``'s graph.
+
+    Returns the calibrate function's outputs (new input scale per group); the
+    serving function never fetches them, so pruning leaves it unchanged.
+    """
+    by_group: dict[str, list] = {}
+    for tap in qpass.result.taps:
+        by_group.setdefault(tap.group.prefix, []).append(tap)
+    outputs = {}
+    for prefix in sorted(by_group):
+        taps = by_group[prefix]
+        group = taps[0].group
+        base = f"{CAPTURE_SCOPE}/calibrate/{prefix}"
+        amax = None
+        for i, tap in enumerate(taps):
+            one = _tensor_amax(qpass, tap.tensor, f"{base}/amax_{i}")
+            amax = one if amax is None else qpass.op("Maximum", f"{base}/amax_max_{i}", [amax, one], T=_type(F32))
+        outputs[group.name("inputs_scale")] = _update(qpass, group.name("inputs_amax_history"),
+                                                      group.name("inputs_scale"), amax, base)
+    return outputs
+
+
+def _tensor_amax(qpass: QuantizePass, x: TensorRef, base: str) -> TensorRef:
+    dtype = qpass.graph.tensor_dtype(x)
+    T = _type(dtype)
+    flat = qpass.op("Reshape", f"{base}/flatten", [qpass.op("Abs", f"{base}/abs", [x], T=T),
+                                                   qpass.const(f"{base}/minus_one", [-1], INT32)],
+                    T=T, Tshape=_type(INT32))
+    amax = qpass.op("Max", f"{base}/max", [flat, qpass.const(f"{base}/axis", 0, INT32)],
+                    T=T, Tidx=_type(INT32), keep_dims=_bool(False))
+    if dtype == F32:
+        return amax
+    return qpass.op("Cast", f"{base}/to_float32", [amax], SrcT=T, DstT=_type(F32), Truncate=_bool(False))
+
+
+def _update(qpass: QuantizePass, history_name: str, scale_name: str, amax: TensorRef, base: str) -> TensorRef:
+    f32 = _type(F32)
+    history = qpass.read(history_name)
+    rolled = qpass.op("Roll", f"{base}/roll", [history, qpass.const(f"{base}/shift", -1, INT32),
+                                               qpass.const(f"{base}/roll_axis", 0, INT32)],
+                      T=f32, Tshift=_type(INT32), Taxis=_type(INT32))
+    slot = qpass.op("Reshape", f"{base}/amax_1d", [amax, qpass.const(f"{base}/one", [1], INT32)], T=f32, Tshape=_type(INT32))
+    new_history = qpass.op("TensorScatterUpdate", f"{base}/history",
+                           [rolled, qpass.const(f"{base}/slot", [[0]], INT32), slot], T=f32, Tindices=_type(INT32))
+    assign_history = qpass.graph.add_node(
+        "AssignVariableOp", f"{base}/assign_history",
+        [qpass.handle(history_name), str(new_history), f"^{history.node}"],
+        {"dtype": f32, "validate_shape": _bool(False)},
+    )
+    history_max = qpass.op("Max", f"{base}/history_max", [new_history, qpass.const(f"{base}/axis", 0, INT32)],
+                           T=f32, Tidx=_type(INT32), keep_dims=_bool(False))
+    old = qpass.read(scale_name)
+    inverse_old = qpass.op("Reciprocal", f"{base}/inverse_old_scale", [old], T=f32)
+    factor = qpass.op("RealDiv", f"{base}/factor", [qpass.const(f"{base}/dtype_max", quant_math.FLOAT8_E4M3_MAX, F32), history_max], T=f32)
+    positive = qpass.op("Greater", f"{base}/positive", [history_max, qpass.const(f"{base}/zero", 0.0, F32)], T=f32)
+    finite = qpass.op("IsFinite", f"{base}/finite", [history_max], T=f32)
+    factor = qpass.op("SelectV2", f"{base}/if_positive", [positive, factor, inverse_old], T=f32)
+    factor = qpass.op("SelectV2", f"{base}/if_finite", [finite, factor, inverse_old], T=f32)
+    new_scale = qpass.op("Reciprocal", f"{base}/scale", [factor], T=f32)
+    assign_scale = qpass.graph.add_node(
+        "AssignVariableOp", f"{base}/assign_scale",
+        [qpass.handle(scale_name), str(new_scale), f"^{old.node}"],
+        {"dtype": f32, "validate_shape": _bool(False)},
+    )
+    after = qpass.graph.add_node(
+        "ReadVariableOp", f"{base}/new_scale",
+        [qpass.handle(scale_name), f"^{assign_scale.name}", f"^{assign_history.name}"], {"dtype": f32})
+    return TensorRef(after.name)
+
+
+# -- feeding batches -------------------------------------------------------------------
+
+
+def iterate_batches(source: CalibrationSource, load_npz: Callable[[str], Mapping[str, np.ndarray]],
+                    batch_size: int = 32) -> Iterator[dict[str, Any]]:
+    """Input dicts from any accepted calibration source."""
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        arrays = load_npz(source)
+        count = len(next(iter(arrays.values()))) if arrays else 0
+        for start in range(0, count, batch_size):
+            yield {name: array[start:start + batch_size] for name, array in arrays.items()}
+        return
+    for batch in source:
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"calibration batches must be dicts of input name -> array, got {type(batch).__name__}")
+        yield dict(batch)
+
+
+def run(
+    calibrate: Callable[..., Mapping[str, tf.Tensor]],
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    max_batches: Optional[int] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> int:
+    """Call ``calibrate(**batch)`` for each batch (at most ``max_batches``); returns the count."""
+    count = 0
+    for batch in batches:
+        if max_batches is not None and count >= max_batches:
+            break
+        calibrate(**{name: tf.convert_to_tensor(value) for name, value in batch.items()})
+        count += 1
+        if progress is not None:
+            progress(count)
+    return count
+

@@ -1,0 +1,302 @@
+"""The quantization pass: int8 and float8 quantize-dequantize at each site.
+
+Runs after the float pass, on the top-level graph of each signature, from a
+frozen :class:`~tfpolicy.quant_sites.QuantPlan`. Every new op computes in the
+dtype its operand already has (the layer's compute dtype), as Keras's
+quantized layers do.
+
+int8, kernel stored as int8 and dequantized where it is read::
+
+    ReadVariableOp(kernel):f32 -> ...          becomes
+    ReadVariableOp(kernel):int8 -> Cast(f32) -> RealDiv(kernel_scale) -> ...
+
+int8, input quantized per token along the contracted axis (``s`` a multiplier)::
+
+    x -> MatMul    becomes    x -> Mul(s) -> Round -> ClipByValue(+-127) -> RealDiv(s) -> MatMul
+         s = 127 / (Max(Abs(x), contracted axes, keep_dims) + 1e-7)
+
+int8 embedding lookups gather int8 rows and their scales, then divide.
+
+float8, on both operands of the op (``s`` a divisor, a scalar variable), the
+pattern XLA's FP8 GEMM rewriter matches::
+
+    x -> MatMul    becomes    x -> RealDiv(s) -> ClipByValue(+-448) -> Cast(f8e4m3fn) -> Cast -> Mul(s) -> MatMul
+
+New variables enter each signature graph as resource placeholders named
+``tfpolicy/<variable name>``; saving maps them to the new ``tf.Variable``s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2, types_pb2
+
+from tfpolicy import quant_math
+from tfpolicy.graph import Graph, Node
+from tfpolicy.layer_index import LayerIndex
+from tfpolicy.quant_sites import Float8Group, Int8Kernel, QuantPlan, Site
+from tfpolicy.tf_names import TensorRef
+from tfpolicy.tf_names import bool_attr as _bool
+from tfpolicy.tf_names import type_attr as _type
+
+logger = logging.getLogger(__name__)
+
+FLOAT8 = types_pb2.DT_FLOAT8_E4M3FN
+INT8 = types_pb2.DT_INT8
+F32 = types_pb2.DT_FLOAT
+INT32 = types_pb2.DT_INT32
+CAPTURE_SCOPE = "tfpolicy"
+
+
+def numpy_dtype(dtype: int) -> np.dtype:
+    return tf.dtypes.as_dtype(dtype).as_numpy_dtype
+
+
+# -- the variables the pass adds ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class NewVariable:
+    """A variable the rewrite creates; ``replaces`` is the uid of one it supersedes."""
+
+    name: str
+    value: np.ndarray
+    replaces: Optional[int] = None
+
+    @property
+    def dtype(self) -> int:
+        return tf.dtypes.as_dtype(self.value.dtype).as_datatype_enum
+
+
+def build_variables(qplan: QuantPlan, read_value: Callable[[int], np.ndarray]) -> dict[str, NewVariable]:
+    """Initial values of every variable the quantization adds, by name.
+
+    int8: the kernel's int8 copy and its per-output-channel ``kernel_scale``
+    (the reduced axes squeezed out: ``(units,)`` for a Dense kernel, as Keras).
+    float8: ``inputs_scale`` 1 and a zero ``inputs_amax_history`` (Keras's
+    initial state until calibration); the kernel's scale and history from
+    its weights (``history[0] = max|W|``).
+    """
+    variables: dict[str, NewVariable] = {}
+    for kernel in sorted(qplan.int8_kernels.values(), key=lambda k: k.name):
+        q, scale = quant_math.abs_max_quantize(read_value(kernel.uid), kernel.reduced_axes)
+        variables[kernel.name] = NewVariable(kernel.name, q, replaces=kernel.uid)
+        variables[kernel.scale_name] = NewVariable(kernel.scale_name, np.squeeze(scale, axis=kernel.reduced_axes))
+    for group in sorted(qplan.float8_groups.values(), key=lambda g: g.prefix):
+        amax = float(np.max(np.abs(read_value(group.kernel_uid))))
+        zeros = np.zeros((group.history_length,), np.float32)
+        variables[group.name("inputs_scale")] = NewVariable(group.name("inputs_scale"), np.float32(1.0).reshape(()))
+        variables[group.name("kernel_scale")] = NewVariable(
+            group.name("kernel_scale"), np.asarray(quant_math.float8_scale(amax, 1.0), np.float32))
+        variables[group.name("inputs_amax_history")] = NewVariable(group.name("inputs_amax_history"), zeros)
+        variables[group.name("kernel_amax_history")] = NewVariable(
+            group.name("kernel_amax_history"), quant_math.roll_amax_history(zeros, amax))
+    return variables
+
+
+# -- per-graph rewriting ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationTap:
+    """A float8 input operand whose amax calibration rolls into its group's history."""
+
+    group: Float8Group
+    tensor: TensorRef
+
+
+@dataclasses.dataclass
+class QuantizeResult:
+    quantized: dict[str, int] = dataclasses.field(default_factory=dict)  # layer -> ops
+    new_captures: dict[str, str] = dataclasses.field(default_factory=dict)  # placeholder -> variable name
+    taps: list[CalibrationTap] = dataclasses.field(default_factory=list)
+
+    @property
+    def modified(self) -> bool:
+        return bool(self.quantized)
+
+
+class QuantizePass:
+    """Rewrite the sites of one signature's top-level graph."""
+
+    def __init__(
+        self,
+        signature: str,
+        graph: Graph,
+        index: LayerIndex,
+        qplan: QuantPlan,
+        variables: dict[str, NewVariable],
+    ) -> None:
+        self.signature, self.graph, self.index = signature, graph, index
+        self.qplan, self.variables = qplan, variables
+        self.result = QuantizeResult()
+        self._reads: dict[str, TensorRef] = {}
+        self._scales: dict[tuple[str, int], TensorRef] = {}
+        self._qdq: dict[tuple, TensorRef] = {}
+        self._taps: dict[tuple, CalibrationTap] = {}
+
+    def run(self) -> QuantizeResult:
+        sites = sorted(self.qplan.sites_in(self.signature, self.graph.name), key=lambda s: s.node)
+        gather_sites = {s.node for s in sites if s.contraction.kind == "gather"}
+        for kernel in sorted(self.qplan.int8_kernels.values(), key=lambda k: k.name):
+            self._store_int8(kernel, gather_sites)
+        for site in sites:
+            if site.contraction.kind == "gather":
+                self._gather(site, self.qplan.int8_kernels[site.variable_uid])
+            elif site.mode == "int8":
+                self._int8_input(site)
+            else:
+                self._float8(site)
+            self.result.quantized[site.layer] = self.result.quantized.get(site.layer, 0) + 1
+        self.result.taps = list(self._taps.values())
+        return self.result
+
+    # -- variables -------------------------------------------------------------------
+
+    def handle(self, name: str) -> str:
+        """The resource placeholder of new variable ``name`` in this graph."""
+        placeholder = f"{CAPTURE_SCOPE}/{name}"
+        if placeholder not in self.graph.nodes:
+            variable = self.variables[name]
+            shape = tensor_shape_pb2.TensorShapeProto(
+                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in variable.value.shape])
+            self.graph.add_node("Placeholder", placeholder, [], {
+                "dtype": _type(types_pb2.DT_RESOURCE),
+                "shape": attr_value_pb2.AttrValue(shape=tensor_shape_pb2.TensorShapeProto()),
+                "_handle_dtypes": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=[variable.dtype])),
+                "_handle_shapes": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(shape=[shape])),
+            })
+            self.result.new_captures[placeholder] = name
+        return placeholder
+
+    def read(self, name: str) -> TensorRef:
+        """One ``ReadVariableOp`` of new variable ``name`` per graph."""
+        if name not in self._reads:
+            handle = self.handle(name)
+            node = self.graph.add_node("ReadVariableOp", f"{handle}/read", [handle], {"dtype": _type(self.variables[name].dtype)})
+            self._reads[name] = TensorRef(node.name)
+        return self._reads[name]
+
+    def scale_as(self, name: str, dtype: int) -> TensorRef:
+        """A float32 scale variable's value in ``dtype`` (one Cast per graph and dtype)."""
+        key = (name, dtype)
+        if key not in self._scales:
+            ref = self.read(name)
+            if dtype != F32:
+                ref = self.op("Cast", f"{ref.node}/to_{tf.dtypes.as_dtype(dtype).name}", [ref],
+                              SrcT=_type(F32), DstT=_type(dtype), Truncate=_bool(False))
+            self._scales[key] = ref
+        return self._scales[key]
+
+    # -- node helpers ----------------------------------------------------------------
+
+    def op(self, op: str, name: str, inputs: list[TensorRef], **attrs: attr_value_pb2.AttrValue) -> TensorRef:
+        node = self.graph.add_node(op, name, [str(i) for i in inputs], attrs)
+        return TensorRef(node.name)
+
+    def const(self, name: str, value, dtype: int) -> TensorRef:
+        node = self.graph.add_const(name, np.asarray(value, dtype=numpy_dtype(dtype)))
+        return TensorRef(node.name)
+
+    # -- int8 ------------------------------------------------------------------------
+
+    def _store_int8(self, kernel: Int8Kernel, gather_sites: set[str]) -> None:
+        """Every read of the kernel reads int8 and is dequantized with its scale."""
+        reads = [n for n in list(self.graph.nodes.values()) if n.op == "ReadVariableOp"
+                 and (info := self.index.variable_read_by(self.signature, self.graph, n)) is not None
+                 and info.uid == kernel.uid]
+        for read in reads:
+            read.attrs["dtype"] = _type(INT8)
+            users = [(c, p) for c, p in self.graph.uses(TensorRef(read.name)) if c not in gather_sites]
+            if not users:
+                continue
+            value = self._dequantize(TensorRef(read.name), kernel, f"{read.name}/tfpolicy/dequantize")
+            for consumer, position in users:
+                self.graph.replace_input(self.graph.nodes[consumer], position, value)
+
+    def _dequantize(self, q: TensorRef, kernel: Int8Kernel, name: str) -> TensorRef:
+        keepdims = list(self.variables[kernel.name].value.shape)
+        for axis in kernel.reduced_axes:
+            keepdims[axis] = 1
+        as_float = self.op("Cast", f"{name}/cast", [q], SrcT=_type(INT8), DstT=_type(F32), Truncate=_bool(False))
+        shape = self.const(f"{name}/scale_shape", keepdims, INT32)
+        scale = self.op("Reshape", f"{name}/scale", [self.read(kernel.scale_name), shape], T=_type(F32), Tshape=_type(INT32))
+        return self.op("RealDiv", name, [as_float, scale], T=_type(F32))
+
+    def _gather(self, site: Site, kernel: Int8Kernel) -> None:
+        """Gather int8 rows and their scales; the lookup's node becomes the division."""
+        node = self.graph.nodes[site.node]
+        inputs = [ref for _, ref in node.data_inputs()]
+        indices = inputs[1]
+        base = f"{node.name}/tfpolicy"
+        if node.op == "GatherV2":
+            rows = self.op("GatherV2", f"{base}/int8_rows", inputs, **{**node.attrs, "Tparams": _type(INT8)})
+            scales = self.op("GatherV2", f"{base}/row_scales", [self.read(kernel.scale_name), indices, inputs[2]],
+                             **{**node.attrs, "Tparams": _type(F32)})
+        else:
+            rows = self.op("ResourceGather", f"{base}/int8_rows", inputs, **{**node.attrs, "dtype": _type(INT8)})
+            scales = self.op("ResourceGather", f"{base}/row_scales", [TensorRef(self.handle(kernel.scale_name)), indices],
+                             **{**node.attrs, "dtype": _type(F32)})
+        as_float = self.op("Cast", f"{base}/cast", [rows], SrcT=_type(INT8), DstT=_type(F32), Truncate=_bool(False))
+        trailing = len(self.variables[kernel.name].value.shape) - 1
+        for i in range(trailing):
+            axis = self.const(f"{base}/expand_axis_{i}", -1, INT32)
+            scales = self.op("ExpandDims", f"{base}/row_scales_expanded_{i}", [scales, axis], T=_type(F32), Tdim=_type(INT32))
+        self.graph.redefine(node, "RealDiv", [str(as_float), str(scales)], {"T": _type(F32)})
+
+    def _int8_input(self, site: Site) -> None:
+        node = self.graph.nodes[site.node]
+        position = site.contraction.input_position
+        x = dict(node.data_inputs())[position]
+        axes = site.contraction.input_reduced
+        key = ("int8", str(x), axes)
+        if key not in self._qdq:
+            dtype = self.graph.tensor_dtype(x)
+            base = f"{site.node}/tfpolicy/input_int8"
+            T = _type(dtype)
+            amax = self.op("Max", f"{base}/amax", [self.op("Abs", f"{base}/abs", [x], T=T),
+                                                     self.const(f"{base}/axes", list(axes), INT32)],
+                           T=T, Tidx=_type(INT32), keep_dims=_bool(True))
+            scale = self.op("RealDiv", f"{base}/scale", [
+                self.const(f"{base}/range", quant_math.INT8_RANGE, dtype),
+                self.op("AddV2", f"{base}/amax_eps", [amax, self.const(f"{base}/epsilon", quant_math.EPSILON, dtype)], T=T),
+            ], T=T)
+            rounded = self.op("Round", f"{base}/round", [self.op("Mul", f"{base}/scaled", [x, scale], T=T)], T=T)
+            clipped = self.op("ClipByValue", f"{base}/clip", [
+                rounded, self.const(f"{base}/min", -quant_math.INT8_RANGE, dtype),
+                self.const(f"{base}/max", quant_math.INT8_RANGE, dtype)], T=T)
+            self._qdq[key] = self.op("RealDiv", f"{base}/dequantize", [clipped, scale], T=T)
+        self.graph.replace_input(node, position, self._qdq[key])
+
+    # -- float8 ----------------------------------------------------------------------
+
+    def _float8(self, site: Site) -> None:
+        node = self.graph.nodes[site.node]
+        group = self.qplan.float8_groups[(site.layer, site.variable_uid)]
+        operands = dict(node.data_inputs())
+        for kind, position in (("inputs", site.contraction.input_position), ("kernel", site.contraction.kernel_position)):
+            x = operands[position]
+            scale_name = group.name(f"{kind}_scale")
+            key = ("float8", str(x), scale_name)
+            if key not in self._qdq:
+                self._qdq[key] = self._float8_qdq(x, scale_name, f"{site.node}/tfpolicy/{kind}_float8")
+                if kind == "inputs":  # kernel scales come from the weights
+                    self._taps.setdefault((group.prefix, str(x)), CalibrationTap(group, x))
+            self.graph.replace_input(node, position, self._qdq[key])
+
+    def _float8_qdq(self, x: TensorRef, scale_name: str, base: str) -> TensorRef:
+        dtype = self.graph.tensor_dtype(x)
+        T = _type(dtype)
+        scale = self.scale_as(scale_name, dtype)
+        divided = self.op("RealDiv", f"{base}/divide", [x, scale], T=T)
+        clipped = self.op("ClipByValue", f"{base}/clip", [
+            divided, self.const(f"{base}/min", -quant_math.FLOAT8_E4M3_MAX, dtype),
+            self.const(f"{base}/max", quant_math.FLOAT8_E4M3_MAX, dtype)], T=T)
+        as_f8 = self.op("Cast", f"{base}/to_float8", [clipped], SrcT=T, DstT=_type(FLOAT8), Truncate=_bool(False))
+        back = self.op("Cast", f"{base}/from_float8", [as_f8], SrcT=_type(FLOAT8), DstT=T, Truncate=_bool(False))
+        return self.op("Mul", f"{base}/dequantize", [back, scale], T=T)

@@ -1,0 +1,481 @@
+"""Where int8 and float8 apply: pattern and check, before any rewrite.
+
+A **site** is a matmul-like op of a quantized layer whose kernel operand is a
+read of one of that layer's variables, possibly through layout ops::
+
+    x ---------------------------------------------> MatMul   (input operand)
+    ReadVariableOp(kernel) -> Cast -> Reshape ------/         (kernel operand)
+
+Each op type has a rule (:data:`RULES`) saying which operand can be the kernel
+and which axes of each operand are contracted. The analysis traces the kernel
+operand back to its variable through ``Identity``, ``Cast``, ``Reshape`` and
+``Transpose`` and maps the contracted axes into the variable's own frame, so
+that an int8 kernel gets one scale per output channel of the variable as
+stored. An op that does not fit is **declined** with a reason, shown by
+``--explain``.
+
+The result, :class:`QuantPlan`, is frozen: which sites, which variables become
+int8 and which float8 variable groups exist. :mod:`tfpolicy.passes.quantize`
+rewrites the graphs from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+
+from tfpolicy import tf_names
+from tfpolicy.graph import Graph, Node
+from tfpolicy.layer_index import LayerIndex, VariableInfo
+from tfpolicy.plan import Plan
+from tfpolicy.savedmodel_io import LoadedModel
+from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODES = ("int8", "float8")
+LAYOUT_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose"})
+VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Contraction:
+    """How an op consumes its kernel and input operands.
+
+    ``kernel_reduced`` are axes of the kernel operand (as the op sees it) that
+    one int8 scale spans; ``input_reduced`` those of the input operand that one
+    per-token scale spans. Negative axes count from the end.
+    """
+
+    kind: str  # "matmul" or "gather"
+    kernel_position: int
+    input_position: Optional[int]
+    kernel_reduced: tuple[int, ...]
+    input_reduced: tuple[int, ...]
+
+
+# -- rules: op type -> candidate contractions ----------------------------------
+
+
+def _attr_bool(node: Node, name: str) -> bool:
+    value = node.attrs.get(name)
+    return bool(value.b) if value is not None else False
+
+
+def _matmul(node: Node) -> list[Contraction]:
+    ta, tb = _attr_bool(node, "transpose_a"), _attr_bool(node, "transpose_b")
+    a_k, b_k = (0 if ta else 1), (1 if tb else 0)
+    return [
+        Contraction("matmul", 1, 0, (b_k,), (a_k,)),
+        Contraction("matmul", 0, 1, (a_k,), (b_k,)),
+    ]
+
+
+def _batch_matmul(node: Node) -> list[Contraction]:
+    ax, ay = _attr_bool(node, "adj_x"), _attr_bool(node, "adj_y")
+    x_k, y_k = (-2 if ax else -1), (-1 if ay else -2)
+    return [
+        Contraction("matmul", 1, 0, (y_k,), (x_k,)),
+        Contraction("matmul", 0, 1, (x_k,), (y_k,)),
+    ]
+
+
+_EINSUM_TERM = re.compile(r"[A-Za-z]+")
+
+
+def _einsum(node: Node) -> list[Contraction]:
+    equation = node.attrs["equation"].s.decode().replace(" ", "")
+    operands, arrow, output = equation.partition("->")
+    terms = operands.split(",")
+    if not arrow or len(terms) != 2 or not all(_EINSUM_TERM.fullmatch(t) for t in (*terms, output or "x")):
+        return []  # ellipses, implicit output or not binary: not a kernel contraction
+    reduced = [tuple(i for i, c in enumerate(t) if c not in output) for t in terms]
+    return [
+        Contraction("matmul", 1, 0, reduced[1], reduced[0]),
+        Contraction("matmul", 0, 1, reduced[0], reduced[1]),
+    ]
+
+
+def _channel_axis(node: Node) -> int:
+    data_format = node.attrs["data_format"].s.decode() if "data_format" in node.attrs else "NHWC"
+    return data_format.index("C")
+
+
+def _conv2d(node: Node) -> list[Contraction]:
+    return [Contraction("matmul", 1, 0, (0, 1, 2), (_channel_axis(node),))]
+
+
+def _depthwise(node: Node) -> list[Contraction]:
+    return [Contraction("matmul", 1, 0, (0, 1), (_channel_axis(node),))]
+
+
+def _gather(node: Node) -> list[Contraction]:
+    batch_dims = node.attrs.get("batch_dims")
+    if batch_dims is not None and batch_dims.i != 0:
+        return []
+    return [Contraction("gather", 0, None, (), ())]  # per row: every axis but 0, set later
+
+
+RULES: dict[str, Callable[[Node], list[Contraction]]] = {
+    "MatMul": _matmul,
+    "BatchMatMul": _batch_matmul,
+    "BatchMatMulV2": _batch_matmul,
+    "BatchMatMulV3": _batch_matmul,
+    "Einsum": _einsum,
+    "Conv2D": _conv2d,
+    "DepthwiseConv2dNative": _depthwise,
+    "GatherV2": _gather,
+    "ResourceGather": _gather,
+}
+FLOAT8_KINDS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
+
+
+# -- plan records ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One op to quantize, in one graph of one signature."""
+
+    signature: str
+    graph: str
+    node: str
+    op: str
+    layer: str
+    mode: str
+    contraction: Contraction
+    variable_uid: int
+    read_node: str  # the ReadVariableOp (or the ResourceGather itself)
+    kernel_reduced_axes: tuple[int, ...]  # in the variable's frame, non-negative
+
+
+@dataclasses.dataclass(frozen=True)
+class Declined:
+    layer: str
+    mode: str
+    node: str
+    op: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Kernel:
+    """A variable stored as int8 plus a float32 ``<name>_scale`` per output channel."""
+
+    uid: int
+    name: str
+    layer: str
+    reduced_axes: tuple[int, ...]
+
+    @property
+    def scale_name(self) -> str:
+        return f"{self.name}_scale"
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Group:
+    """The four float8 variables one layer (and kernel) owns."""
+
+    layer: str
+    kernel_uid: int
+    prefix: str  # "<layer path>" or "<layer path>/<kernel leaf>" when a layer has several
+    history_length: int
+
+    def name(self, kind: str) -> str:
+        return f"{self.prefix}/{kind}"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantPlan:
+    sites: tuple[Site, ...]
+    declined: tuple[Declined, ...]
+    int8_kernels: dict[int, Int8Kernel]
+    float8_groups: dict[tuple[str, int], Float8Group]
+    layers_without_sites: tuple[tuple[str, str], ...]  # (layer path, mode)
+
+    def sites_in(self, signature: str, graph: str) -> list[Site]:
+        return [s for s in self.sites if s.signature == signature and s.graph == graph]
+
+    @property
+    def empty(self) -> bool:
+        return not self.sites
+
+
+# -- analysis ----------------------------------------------------------------------
+
+
+def analyze(model: LoadedModel, index: LayerIndex, plan: Plan) -> QuantPlan:
+    """Find every site of every quantized layer; decide variables; never edits."""
+    sites: list[Site] = []
+    declined: list[Declined] = []
+    for program in model.signatures.values():
+        for graph in program.all_graphs():
+            for node in graph.nodes.values():
+                layer = index.layer_of(program.key, graph, node)
+                layer_plan = plan.for_layer(layer)
+                if layer is None or layer_plan.quantization_mode not in SUPPORTED_MODES or node.op not in RULES:
+                    continue
+                if node.op in ("GatherV2", "ResourceGather") and not _gathers_floats(node):
+                    continue  # a shape or index lookup, not an embedding
+                found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index)
+                (sites if isinstance(found, Site) else declined).append(found)
+    sites, more_declined = _check_variables(model, index, sites)
+    declined.extend(more_declined)
+    int8 = _int8_kernels(sites, index)
+    groups = _float8_groups(sites, index, plan)
+    with_sites = {s.layer for s in sites} | {d.layer for d in declined}
+    quantized_layers = sorted(
+        (p.path, p.quantization_mode) for p in plan.layers.values()
+        if p.path is not None and p.quantization_mode in SUPPORTED_MODES and p.op_count
+    )
+    without = tuple((path, mode) for path, mode in quantized_layers if path not in with_sites)
+    return QuantPlan(tuple(sites), tuple(declined), int8, groups, without)
+
+
+def _gathers_floats(node: Node) -> bool:
+    dtype = node.attrs["Tparams" if node.op == "GatherV2" else "dtype"].type
+    return dtype in FLOAT_DTYPES
+
+
+def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, index: LayerIndex):
+    def decline(reason: str) -> Declined:
+        return Declined(layer, mode, node.name, node.op, reason)
+
+    if graph.is_function:
+        return decline("inside a While/If body, whose signature cannot take new variables")
+    if mode == "float8" and node.op not in FLOAT8_KINDS:
+        return decline(f"float8 applies to matmul and einsum ops, not {node.op}")
+    candidates = RULES[node.op](node)
+    if not candidates:
+        return decline(f"{node.op} form not supported ({_describe(node)})")
+    inputs = dict(node.data_inputs())
+    for contraction in candidates:
+        operand = inputs.get(contraction.kernel_position)
+        if operand is None:
+            continue
+        if contraction.kind == "gather":
+            traced = _trace_gather_table(signature, graph, node, operand, index)
+        else:
+            if graph.tensor_dtype(operand) not in FLOAT_DTYPES:
+                return decline(f"not a float {node.op}")
+            traced = _trace_kernel(signature, graph, operand, contraction, index)
+        if traced is None:
+            continue
+        info, read_node, axes = traced
+        if info.layer_path != layer:
+            return decline(f"its kernel '{info.name}' belongs to layer '{info.layer_path}'")
+        if info.dtype != types_pb2.DT_FLOAT:
+            return decline(f"kernel '{info.name}' is {tf_names.dtype_name(info.dtype)}, not float32")
+        if axes is None:
+            return decline(f"the kernel reaches {node.op} through a reshape that mixes contracted and output axes")
+        return Site(signature, graph.name, node.name, node.op, layer, mode, contraction, info.uid, read_node, axes)
+    return decline("kernel not a variable (no operand reads one of the layer's variables)")
+
+
+def _describe(node: Node) -> str:
+    if "equation" in node.attrs:
+        return f"equation {node.attrs['equation'].s.decode()!r}"
+    return node.op
+
+
+def _trace_gather_table(signature, graph, node, operand, index):
+    if node.op == "GatherV2":
+        axis_node = graph.producer(list(dict(node.data_inputs()).values())[2])
+        if axis_node.op != "Const" or int(np.asarray(_const_value(axis_node)).reshape(-1)[0]) != 0:
+            return None
+        read = graph.producer(operand)
+        if read.op != "ReadVariableOp":
+            return None
+        info = index.variable_read_by(signature, graph, read)
+        read_name = read.name
+    else:  # ResourceGather reads the variable itself
+        info = index.variable_read_by(signature, graph, node)
+        read_name = node.name
+    if info is None or len(info.shape) < 2:
+        return None
+    return info, read_name, tuple(range(1, len(info.shape)))
+
+
+def _trace_kernel(signature, graph, operand: TensorRef, contraction: Contraction, index: LayerIndex):
+    """Follow layout ops to a variable read; map the reduced axes into its frame.
+
+    Returns ``(variable, read node, axes)`` with ``axes`` None when a reshape
+    makes the per-channel scale inexpressible, or None when no variable is found.
+    """
+    chain: list[Node] = []
+    node = graph.producer(operand)
+    while node.op in LAYOUT_OPS and len(chain) < 16:
+        chain.append(node)
+        node = graph.producer(next(iter(node.data_inputs()))[1])
+    if node.op != "ReadVariableOp":
+        return None
+    info = index.variable_read_by(signature, graph, node)
+    if info is None:
+        return None
+    shapes = [tuple(int(d) for d in info.shape)]  # shape after each chain step, var first
+    transforms = []
+    for step in reversed(chain):
+        shape = shapes[-1]
+        if step.op == "Transpose":
+            perm = _const_input(graph, step, 1)
+            if perm is None:
+                return info, node.name, None
+            perm = [int(p) for p in np.asarray(perm).reshape(-1)]
+            transforms.append(("transpose", perm))
+            shapes.append(tuple(shape[p] for p in perm))
+        elif step.op == "Reshape":
+            target = _const_input(graph, step, 1)
+            if target is None or any(d is None or d < 0 for d in shape):
+                return info, node.name, None
+            target = _resolve_reshape(shape, [int(d) for d in np.asarray(target).reshape(-1)])
+            transforms.append(("reshape", (shape, target)))
+            shapes.append(target)
+        else:
+            transforms.append(("same", None))
+            shapes.append(shape)
+    rank = len(shapes[-1])
+    axes = {a % rank for a in contraction.kernel_reduced} if rank else set()
+    for (kind, data), shape_after in zip(reversed(transforms), reversed(shapes[1:])):
+        if kind == "transpose":
+            axes = {data[a] for a in axes}
+        elif kind == "reshape":
+            mapped = _reshape_axes_back(data[0], data[1], axes)
+            if mapped is None:
+                return info, node.name, None
+            axes = mapped
+    return info, node.name, tuple(sorted(axes))
+
+
+def _const_input(graph: Graph, node: Node, position: int):
+    ref = dict(node.data_inputs()).get(position)
+    if ref is None:
+        return None
+    producer = graph.producer(ref)
+    return _const_value(producer) if producer.op == "Const" else None
+
+
+def _const_value(node: Node):
+    import tensorflow as tf  # noqa: PLC0415
+
+    return tf.make_ndarray(node.attrs["value"].tensor)
+
+
+def _resolve_reshape(source: tuple[int, ...], target: list[int]) -> tuple[int, ...]:
+    total = int(np.prod(source)) if source else 1
+    if -1 in target:
+        known = int(np.prod([d for d in target if d != -1])) or 1
+        target = [total // known if d == -1 else d for d in target]
+    return tuple(target)
+
+
+def _reshape_groups(source: tuple[int, ...], target: tuple[int, ...]) -> Optional[list[tuple[list[int], list[int]]]]:
+    """Pair runs of source and target axes with equal products (row-major order).
+
+    ``(16, 2, 8) -> (16, 16)`` gives ``[([0], [0]), ([1, 2], [1])]``.
+    """
+    groups, i, j = [], 0, 0
+    while i < len(source) or j < len(target):
+        src, dst, ps, pt = [], [], 1, 1
+        if i < len(source):
+            ps, i = source[i], i + 1
+            src.append(i - 1)
+        if j < len(target):
+            pt, j = target[j], j + 1
+            dst.append(j - 1)
+        while ps != pt:
+            if ps < pt and i < len(source):
+                ps, i = ps * source[i], i + 1
+                src.append(i - 1)
+            elif pt < ps and j < len(target):
+                pt, j = pt * target[j], j + 1
+                dst.append(j - 1)
+            else:
+                return None
+        groups.append((src, dst))
+    return groups
+
+
+def _reshape_axes_back(source, target, axes: set[int]) -> Optional[set[int]]:
+    groups = _reshape_groups(tuple(source), tuple(target))
+    if groups is None:
+        return None
+    mapped: set[int] = set()
+    for src, dst in groups:
+        hit = [a in axes for a in dst]
+        if any(hit) and not all(hit):
+            return None
+        if all(hit) and dst:
+            mapped.update(src)
+    return mapped
+
+
+# -- variable decisions ----------------------------------------------------------------
+
+
+def _variable_uses(model: LoadedModel, index: LayerIndex) -> Iterator[tuple[str, Graph, Node, int]]:
+    """Every (signature, graph, node, uid) where a node takes a variable's handle."""
+    for program in model.signatures.values():
+        for graph in program.all_graphs():
+            for node in graph.nodes.values():
+                if node.op in ("Identity", "IdentityN"):
+                    continue
+                for _, ref in node.data_inputs():
+                    uid = index.variable_of(program.key, graph, ref)
+                    if uid is not None:
+                        yield program.key, graph, node, uid
+
+
+def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
+    """Decline int8 sites whose kernel cannot become an int8 variable.
+
+    That is when the kernel is also used where no dequantized copy can be read
+    (a While/If body, an op other than a read) or is contracted over different
+    axes at two sites (one per-channel scale cannot serve both).
+    """
+    int8_axes: dict[int, set[tuple[int, ...]]] = {}
+    for site in sites:
+        if site.mode == "int8":
+            int8_axes.setdefault(site.variable_uid, set()).add(site.kernel_reduced_axes)
+    blocked = {uid: "its kernel is contracted over different axes at another op"
+               for uid, axes in int8_axes.items() if len(axes) > 1}
+    for _, graph, node, uid in _variable_uses(model, index):
+        if uid in int8_axes and uid not in blocked and (graph.is_function or node.op not in VARIABLE_READS):
+            what = "a While/If body" if graph.is_function else f"{node.op} '{node.name}'"
+            blocked[uid] = f"its kernel is also used by {what}, which cannot read an int8 copy"
+    kept, declined = [], []
+    for site in sites:
+        reason = blocked.get(site.variable_uid) if site.mode == "int8" else None
+        if reason:
+            declined.append(Declined(site.layer, site.mode, site.node, site.op, reason))
+        else:
+            kept.append(site)
+    return kept, declined
+
+
+def _int8_kernels(sites: list[Site], index: LayerIndex) -> dict[int, Int8Kernel]:
+    kernels = {}
+    for site in sites:
+        if site.mode == "int8" and site.variable_uid not in kernels:
+            info: VariableInfo = index.variables[site.variable_uid]
+            kernels[site.variable_uid] = Int8Kernel(info.uid, info.name, site.layer, site.kernel_reduced_axes)
+    return kernels
+
+
+def _float8_groups(sites: list[Site], index: LayerIndex, plan: Plan) -> dict[tuple[str, int], Float8Group]:
+    keys = sorted({(s.layer, s.variable_uid) for s in sites if s.mode == "float8"},
+                  key=lambda k: (k[0], index.variables[k[1]].name))
+    per_layer: dict[str, int] = {}
+    for layer, _ in keys:
+        per_layer[layer] = per_layer.get(layer, 0) + 1
+    groups = {}
+    for layer, uid in keys:
+        leaf = index.variables[uid].name.rsplit("/", 1)[-1]
+        prefix = layer if per_layer[layer] == 1 else f"{layer}/{leaf}"
+        length = plan.for_layer(layer).amax_history_length or 1024
+        groups[(layer, uid)] = Float8Group(layer, uid, prefix, int(length))
+    return groups
