@@ -339,6 +339,40 @@ def export_keras3_nested(directory: pathlib.Path) -> ZooModel:
     )
 
 
+def build_keras3_quantizable() -> "keras.Model":
+    """Embedding, Dense and EinsumDense (one with a 3-d kernel), for int8 and float8."""
+    tokens = keras.Input(shape=(5,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(20, 16, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.0), name="embedding")(tokens)
+    x = keras.layers.Dense(32, activation="relu", name="dense_in")(x)
+    x = keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, 2, 8), bias_axes="de", name="proj")(x)
+    x = keras.layers.Reshape((5, 16), name="merge")(x)
+    x = keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 12), bias_axes="d", name="mix")(x)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    return keras.Model(tokens, outputs, name="quantizable")
+
+
+def export_keras3_quantizable(directory: pathlib.Path) -> ZooModel:
+    return _finish_keras3(
+        "keras3_quantizable",
+        directory,
+        build_keras3_quantizable,
+        ("embedding", "dense_in", "proj", "mix", "head"),
+    )
+
+
+def build_keras3_cnn() -> "keras.Model":
+    image = keras.Input(shape=(10, 10, 3), name="image")
+    x = keras.layers.Conv2D(8, 3, activation="relu", name="conv")(image)
+    x = keras.layers.DepthwiseConv2D(3, name="depthwise")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    return keras.Model(image, outputs, name="cnn")
+
+
+def export_keras3_cnn(directory: pathlib.Path) -> ZooModel:
+    return _finish_keras3("keras3_cnn", directory, build_keras3_cnn, ("conv", "depthwise", "head"))
+
+
 def _write_vocabulary(directory: pathlib.Path) -> pathlib.Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "keras3_string_lookup_vocab.txt"
@@ -396,6 +430,25 @@ def export_tfkeras_functional(directory: pathlib.Path) -> ZooModel:
         saved_model_dir=saved_model_dir,
         sample_inputs=sample_inputs_for(saved_model_dir),
         layer_paths=("encoder_dense", "encoder_dense_1", "head"),
+        rebuild=None,
+    )
+
+
+def export_tfkeras_embedding(directory: pathlib.Path) -> ZooModel:
+    """An Embedding read by ``ResourceGather`` (Keras 3 reads the table, then gathers)."""
+    tfk = _tf_keras()
+    tokens = tfk.Input(shape=(6,), dtype="int32", name="tokens")
+    x = tfk.layers.Embedding(12, 8, name="embedding")(tokens)
+    x = tfk.layers.Flatten(name="flatten")(x)
+    outputs = tfk.layers.Dense(3, name="head")(x)
+    model = tfk.Model(tokens, outputs, name="emb")
+    saved_model_dir = directory / "tfkeras_embedding"
+    model.save(str(saved_model_dir), save_format="tf")
+    return ZooModel(
+        name="tfkeras_embedding",
+        saved_model_dir=saved_model_dir,
+        sample_inputs=sample_inputs_for(saved_model_dir),
+        layer_paths=("embedding", "head"),
         rebuild=None,
     )
 
@@ -485,5 +538,8 @@ ALL_BUILDERS: dict[str, Callable[[pathlib.Path], ZooModel]] = {
     "tfkeras_lstm": export_tfkeras_lstm,
     "keras3_string_lookup": export_keras3_string_lookup,
     "tf_module": export_tf_module,
+    "keras3_quantizable": export_keras3_quantizable,
+    "keras3_cnn": export_keras3_cnn,
+    "tfkeras_embedding": export_tfkeras_embedding,
 }
 """Every zoo model by name -> its ``export_<name>(directory)`` builder."""

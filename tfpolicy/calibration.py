@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpolicy import quant_math
+from tfpolicy.errors import InputDataError
 from tfpolicy.passes.quantize import CAPTURE_SCOPE, F32, INT32, QuantizePass
 from tfpolicy.tf_names import TensorRef
 from tfpolicy.tf_names import bool_attr as _bool
@@ -109,18 +110,32 @@ def _update(qpass: QuantizePass, history_name: str, scale_name: str, amax: Tenso
 # -- feeding batches -------------------------------------------------------------------
 
 
-def iterate_batches(source: CalibrationSource, load_npz: Callable[[str], Mapping[str, np.ndarray]],
-                    batch_size: int = 32) -> Iterator[dict[str, Any]]:
-    """Input dicts from any accepted calibration source."""
+class NpzBatches:
+    """Consecutive batches of ``batch_size`` rows from arrays sharing a first dimension."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int = 32) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch size must be positive, got {batch_size}")
+        self.arrays, self.batch_size = dict(arrays), batch_size
+        self.rows = len(next(iter(self.arrays.values()))) if self.arrays else 0
+
+    def __len__(self) -> int:
+        return -(-self.rows // self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        for start in range(0, self.rows, self.batch_size):
+            yield {name: array[start:start + self.batch_size] for name, array in self.arrays.items()}
+
+
+def iterate_batches(source: CalibrationSource, load_npz: Callable[[Any], Mapping[str, np.ndarray]]) -> Iterator[dict[str, Any]]:
+    """Input dicts from any accepted calibration source (an ``.npz`` path is read with ``load_npz``)."""
     if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
-        arrays = load_npz(source)
-        count = len(next(iter(arrays.values()))) if arrays else 0
-        for start in range(0, count, batch_size):
-            yield {name: array[start:start + batch_size] for name, array in arrays.items()}
-        return
+        source = NpzBatches(load_npz(source))
     for batch in source:
         if not isinstance(batch, Mapping):
-            raise TypeError(f"calibration batches must be dicts of input name -> array, got {type(batch).__name__}")
+            raise InputDataError(
+                f"calibration batches must be dicts of input name -> array, got {type(batch).__name__}"
+            )
         yield dict(batch)
 
 

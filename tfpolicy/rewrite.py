@@ -32,6 +32,10 @@ flags.DEFINE_string("report", None, "Also write the report as JSON to this file.
 flags.DEFINE_bool("strict", False, "Treat warnings (a key matching no layer) as errors.")
 flags.DEFINE_bool("overwrite", False, "Replace OUTPUT if it exists.")
 flags.DEFINE_bool("quiet", False, "Print nothing but errors.")
+flags.DEFINE_string("calibration_data", None, "float8 calibration inputs: an .npz of arrays keyed by the "
+                    "serving_default signature's input names, batch first (strings as bytes arrays).")
+flags.DEFINE_integer("calibration_batches", None, "Run at most this many calibration batches.", lower_bound=1)
+flags.DEFINE_integer("calibration_batch_size", 32, "Rows of --calibration_data per calibration batch.", lower_bound=1)
 
 USAGE = "usage: python -m tfpolicy.rewrite --map MAP [flags] INPUT OUTPUT  (--helpshort for flags)"
 EXIT_USER_ERROR = 2
@@ -84,15 +88,20 @@ def main(argv: Sequence[str]) -> None:
             print(report.format_table())
         else:
             _progress(f"rewriting {positional[0]} -> {positional[1]}")
+            batches, progress = _calibration_batches()
             report = tfpolicy.rewrite(
                 positional[0], positional[1], FLAGS.map,
                 signatures=FLAGS.signatures, overwrite=FLAGS.overwrite, strict=FLAGS.strict,
+                calibration_data=batches, calibration_batches=FLAGS.calibration_batches,
+                calibration_progress=progress,
             )
             _summary(
                 f"wrote {positional[1]} in {time.monotonic() - started:.1f}s: "
                 f"{sum(s.ops_retyped for s in report.signatures)} ops retyped, "
                 f"{report.casts_inserted} casts inserted, {report.casts_reused} reused, "
-                f"{len(report.variables_converted)} variables converted; "
+                f"{len(report.variables_converted)} variables converted, "
+                f"{sum(q.ops_quantized for q in report.quantization.values())} ops quantized"
+                f"{f' ({report.calibration_batches} calibration batches)' if report.calibration_batches else ''}; "
                 f"{report.input_bytes / 1e6:.2f} MB -> {report.output_bytes / 1e6:.2f} MB"
             )
         if FLAGS.report:
@@ -104,6 +113,23 @@ def main(argv: Sequence[str]) -> None:
                 _fail(f"cannot write report '{FLAGS.report}': {exc.strerror}")
     except tfpolicy.TfPolicyError as exc:
         _fail(str(exc))
+
+
+def _calibration_batches():
+    """The --calibration_data batches (read now, so a bad file fails first) and a progress bar."""
+    if FLAGS.calibration_data is None:
+        return None, None
+    from tfpolicy import calibration, inputs  # noqa: PLC0415
+
+    batches = calibration.NpzBatches(inputs.load_npz(FLAGS.calibration_data, what="calibration data"),
+                                     FLAGS.calibration_batch_size)
+    if FLAGS.quiet or not sys.stderr.isatty():
+        return batches, None
+    import keras  # noqa: PLC0415
+
+    total = len(batches) if FLAGS.calibration_batches is None else min(len(batches), FLAGS.calibration_batches)
+    bar = keras.utils.Progbar(total, unit_name="batch")
+    return batches, lambda done: bar.update(done)
 
 
 def _quiet_tensorflow() -> None:

@@ -38,10 +38,13 @@ logger = logging.getLogger(__name__)
 
 # Ops whose dtype attribute is the variable's: retyped only with the variable.
 VARIABLE_READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
-# Ops that pass a value through: they take their input's dtype wherever they are.
-FOLLOWER_OPS = frozenset(
-    {"Identity", "IdentityN", "StopGradient", "Snapshot", "PreventGradient", "EnsureShape"}
-)
+# Ops that pass a value through: they take their (first) input's dtype wherever
+# they are, through the named attribute. A gather follows its table, so that an
+# embedding lookup casts the rows it gathers, never the whole table.
+FOLLOWER_OPS = {
+    "Identity": "T", "IdentityN": "T", "StopGradient": "T", "Snapshot": "T",
+    "PreventGradient": "T", "EnsureShape": "T", "GatherV2": "Tparams",
+}
 NEVER_RETYPED = frozenset(
     {
         "Placeholder", "_Arg", "_Retval", "VarHandleOp", "While", "StatelessWhile", "If",
@@ -136,16 +139,17 @@ class FloatPrecisionPass:
 
     def _follow_input(self, node: Node) -> None:
         inputs = [self.graph.tensor_dtype(ref) for _, ref in node.data_inputs()]
-        attr = node.attrs.get("T")
+        attr_name = FOLLOWER_OPS[node.op]
+        attr = node.attrs.get(attr_name)
         if attr is None:
             return
         if attr.HasField("list"):
             current = list(attr.list.type)
             new = [have if (have in FLOAT_DTYPES and old in FLOAT_DTYPES) else old for old, have in zip(current, inputs)]
             if new != current:
-                node.attrs["T"] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=new))
+                node.attrs[attr_name] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=new))
         elif inputs and attr.type in FLOAT_DTYPES and inputs[0] in FLOAT_DTYPES and inputs[0] != attr.type:
-            node.attrs["T"] = attr_value_pb2.AttrValue(type=inputs[0])
+            node.attrs[attr_name] = attr_value_pb2.AttrValue(type=inputs[0])
 
     def _retype_cast(self, node: Node) -> None:
         layer, target, normalization = self._target(node)

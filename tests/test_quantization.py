@@ -1,0 +1,371 @@
+"""int8 and float8: Keras as the oracle, calibration, XLA, and what the output carries.
+
+Keras 3 applies the same map natively (``layer.dtype_policy = pm[layer.path]``
+quantizes the layer); tfpolicy rewrites the float32 export. The bounds are the
+issue's: int8 error within 1.5x of Keras's, Dense int8 kernels and scales
+identical, float8 within bf16 tolerance once both use the same scales.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import tfpolicy
+from model_zoo import apply_policy_map_natively, run_signature
+
+INT8 = "int8_from_mixed_bfloat16"
+FLOAT8 = "float8_from_mixed_bfloat16"
+INT8_MAP = {
+    "default_policy": "mixed_bfloat16",
+    "policy_map": {"embedding": INT8, "dense_in": INT8, "proj": INT8, "mix": INT8},
+}
+FLOAT8_MAP = {"default_policy": "mixed_bfloat16", "policy_map": {"dense_in|proj|mix": FLOAT8}}
+CNN_MAP = {"default_policy": "mixed_bfloat16", "policy_map": {"conv|depthwise|head": INT8}}
+# The value path and the feed-forward layers: float8 query and key projections make
+# attention logits of ~1e5 flip under e4m3's 6% rounding, calibrated or not.
+TRANSFORMER_FLOAT8 = {
+    "default_policy": "mixed_bfloat16",
+    "policy_map": {"mha/value|mha/attention_output|ffn_in|ffn_out": FLOAT8},
+}
+
+
+class Outputs:
+    """Each (model, map, calibration) rewritten once per session."""
+
+    def __init__(self, zoo, root) -> None:
+        self.zoo, self.root, self.done = zoo, root, {}
+
+    def get(self, name: str, policy_map: dict, tag: str, **kwargs):
+        if tag not in self.done:
+            out = self.root / tag
+            report = tfpolicy.rewrite(self.zoo.get(name).saved_model_dir, out, policy_map, **kwargs)
+            self.done[tag] = (out, report)
+        return self.done[tag]
+
+
+@pytest.fixture(scope="session")
+def outputs(zoo, tmp_path_factory):
+    return Outputs(zoo, tmp_path_factory.mktemp("quantized"))
+
+
+def _variables(saved_model_dir) -> dict[str, np.ndarray]:
+    loaded = tf.saved_model.load(str(saved_model_dir))
+    return {v.name[:-2]: v.numpy() for v in loaded.tfpolicy.variables}
+
+
+def _keras_quantized(zoo_model, policy_map: dict) -> "keras.Model":
+    model = zoo_model.rebuild()
+    apply_policy_map_natively(model, tfpolicy.PolicyMap.load(policy_map).to_keras())
+    return model
+
+
+def _single_output(zoo_model, saved_model_dir, inputs=None) -> np.ndarray:
+    inputs = inputs if inputs is not None else zoo_model.sample_inputs["serving_default"]
+    (value,) = run_signature(saved_model_dir, "serving_default", inputs).values()
+    return value
+
+
+def _token_batch(seed: int, rows: int = 64) -> dict[str, np.ndarray]:
+    """Token ids of ``keras3_quantizable`` covering its whole vocabulary."""
+    return {"tokens": np.random.default_rng(seed).integers(0, 20, (rows, 5)).astype(np.int32)}
+
+
+def _transformer_inputs(seed: int, batch: int = 4) -> dict[str, np.ndarray]:
+    """Tokens whose magnitudes spread over ~10..1000 (beyond float8's 448 at scale 1)."""
+    rng = np.random.default_rng(seed)
+    magnitude = 10.0 ** rng.uniform(1, 3, size=(batch, 5, 1))
+    return {"tokens": (rng.standard_normal((batch, 5, 16)) * magnitude).astype(np.float32)}
+
+
+# -- int8 -----------------------------------------------------------------------------
+
+
+def test_int8_error_within_1_5x_of_keras(zoo, outputs):
+    model = zoo.get("keras3_quantizable")
+    out, report = outputs.get("keras3_quantizable", INT8_MAP, "int8")
+    inputs = _token_batch(seed=0)
+    y_fp32 = _single_output(model, model.saved_model_dir, inputs)
+    y_tool = _single_output(model, out, inputs)
+    y_keras = np.asarray(_keras_quantized(model, INT8_MAP)(inputs["tokens"]), np.float32)
+    tool_error, keras_error = np.abs(y_tool - y_fp32).max(), np.abs(y_keras - y_fp32).max()
+    assert 0 < tool_error <= 1.5 * keras_error, (tool_error, keras_error)
+    assert {path: q.ops_quantized for path, q in report.quantization.items()} == {
+        "embedding": 2, "dense_in": 2, "proj": 2, "mix": 2}  # serve + serving_default
+
+
+def test_int8_kernels_equal_keras_and_shrink_the_variables(zoo, outputs):
+    model = zoo.get("keras3_quantizable")
+    out, _ = outputs.get("keras3_quantizable", INT8_MAP, "int8")
+    ours = _variables(out)
+    keras_model = _keras_quantized(model, INT8_MAP)
+    dense = keras_model.get_layer("dense_in")
+    assert ours["dense_in/kernel"].dtype == np.int8
+    np.testing.assert_array_equal(ours["dense_in/kernel"], dense._kernel.numpy())
+    np.testing.assert_array_equal(ours["dense_in/kernel_scale"], dense.kernel_scale.numpy())
+    embedding = keras_model.get_layer("embedding")
+    np.testing.assert_array_equal(ours["embedding/embeddings"], embedding._embeddings.numpy())
+    np.testing.assert_array_equal(ours["embedding/embeddings_scale"], embedding.embeddings_scale.numpy())
+    proj = keras_model.get_layer("proj")  # EinsumDense: same values, scale kept squeezed
+    np.testing.assert_array_equal(ours["proj/kernel"], proj._kernel.numpy())
+    np.testing.assert_array_equal(ours["proj/kernel_scale"].reshape(-1), proj.kernel_scale.numpy().reshape(-1))
+    assert ours["proj/kernel_scale"].shape == (2, 8)
+
+    # Against the float-only rewrite, the variables shrink by 3 bytes per int8 weight, less the scales.
+    float_out, _ = outputs.get("keras3_quantizable", {"default_policy": "mixed_bfloat16"}, "bf16")
+    kernels = [ours[n] for n in ("embedding/embeddings", "dense_in/kernel", "proj/kernel", "mix/kernel")]
+    scales = [ours[n] for n in ("embedding/embeddings_scale", "dense_in/kernel_scale", "proj/kernel_scale", "mix/kernel_scale")]
+    expected = sum(3 * k.size for k in kernels) - sum(4 * s.size for s in scales)
+    saved = _variables_bytes(float_out) - _variables_bytes(out)
+    assert abs(saved - expected) <= 0.05 * expected + 512, (saved, expected)
+
+
+def _variables_bytes(saved_model_dir) -> int:
+    return sum(p.stat().st_size for p in (saved_model_dir / "variables").iterdir())
+
+
+def test_int8_cnn_error_is_bounded(zoo, outputs):
+    model = zoo.get("keras3_cnn")
+    out, report = outputs.get("keras3_cnn", CNN_MAP, "cnn")
+    y_fp32 = _single_output(model, model.saved_model_dir)
+    y_tool = _single_output(model, out)
+    error = float(np.abs(y_tool - y_fp32).max())
+    print(f"int8 CNN: max|y - y_fp32| = {error:.4g} of max|y_fp32| = {np.abs(y_fp32).max():.4g}")
+    assert 0 < error <= 0.03 * np.abs(y_fp32).max()
+    ours = _variables(out)
+    assert ours["conv/kernel"].dtype == np.int8 and ours["conv/kernel_scale"].shape == (8,)  # per output channel
+    assert ours["depthwise/kernel"].dtype == np.int8 and ours["depthwise/kernel_scale"].shape == (8, 1)
+    assert report.quantization["conv"].ops_quantized == 2
+
+
+def test_int8_resource_gather_embedding_of_tf_keras(zoo, tmp_path):
+    model = zoo.get("tfkeras_embedding")
+    out = tmp_path / "out"
+    report = tfpolicy.rewrite(model.saved_model_dir, out, {"policy_map": {"embedding": "int8_from_float32"}})
+    assert report.quantization["embedding"].ops_quantized > 0
+    y_fp32 = _single_output(model, model.saved_model_dir)
+    y_tool = _single_output(model, out)
+    assert 0 < np.abs(y_tool - y_fp32).max() <= 0.02 * np.abs(y_fp32).max()
+    assert _variables(out)["embedding/embeddings"].dtype == np.int8
+
+
+# -- float8 ---------------------------------------------------------------------------
+
+
+def test_float8_matches_keras_with_the_same_scales(zoo, outputs):
+    model = zoo.get("keras3_quantizable")
+    inputs = model.sample_inputs["serving_default"]
+    calibration = [{"tokens": np.random.default_rng(i).integers(0, 20, (8, 5)).astype(np.int32)} for i in range(3)]
+    out, report = outputs.get("keras3_quantizable", FLOAT8_MAP, "float8", calibration_data=calibration)
+    assert report.calibration_batches == 3
+    ours = _variables(out)
+    keras_model = _keras_quantized(model, FLOAT8_MAP)
+    for name in ("dense_in", "proj", "mix"):
+        layer = keras_model.get_layer(name)
+        assert ours[f"{name}/inputs_scale"] != 1.0
+        layer.inputs_scale.assign(ours[f"{name}/inputs_scale"])
+        layer.kernel_scale.assign(ours[f"{name}/kernel_scale"])
+    y_keras = np.asarray(keras_model(inputs["tokens"]), np.float32)
+    y_tool = _single_output(model, out)
+    np.testing.assert_allclose(y_tool, y_keras, rtol=1e-2, atol=1e-2 * np.abs(y_keras).max())
+
+
+def test_float8_calibration_cuts_the_error_4x_on_a_transformer(zoo, outputs):
+    block = zoo.get("keras3_transformer")
+    calibration = [_transformer_inputs(seed, batch=16) for seed in range(1, 9)]
+    plain, plain_report = outputs.get("keras3_transformer", TRANSFORMER_FLOAT8, "tf8_plain")
+    calibrated, report = outputs.get("keras3_transformer", TRANSFORMER_FLOAT8, "tf8_cal", calibration_data=calibration)
+    assert any("calibration data" in w and "mha/value" in w for w in plain_report.warnings)
+    evaluation = _transformer_inputs(seed=100, batch=16)
+    y_fp32 = _single_output(block, block.saved_model_dir, evaluation)
+    plain_error = np.abs(_single_output(block, plain, evaluation) - y_fp32).max()
+    calibrated_error = np.abs(_single_output(block, calibrated, evaluation) - y_fp32).max()
+    print(f"float8 transformer: uncalibrated {plain_error:.4g}, calibrated {calibrated_error:.4g}")
+    assert calibrated_error * 4 <= plain_error
+    scales = _variables(calibrated)
+    assert scales["mha/value/inputs_scale"] != 1.0
+    assert scales["mha/value/inputs_amax_history"][0] > 448  # the inputs exceed float8's range
+    assert _variables(plain)["mha/value/inputs_scale"] == 1.0
+
+
+@pytest.mark.parametrize("length", [16, None], ids=["16", "default_1024"])
+def test_amax_history_length_follows_the_policy(zoo, tmp_path, length):
+    policy = {"name": FLOAT8} if length is None else {"name": FLOAT8, "amax_history_length": length}
+    out = tmp_path / "out"
+    tfpolicy.rewrite(zoo.get("keras3_mlp").saved_model_dir, out, {"policy_map": {"dense": policy}})
+    ours = _variables(out)
+    expected = 1024 if length is None else length
+    assert ours["dense/inputs_amax_history"].shape == (expected,)
+    assert ours["dense/kernel_amax_history"].shape == (expected,)
+    assert sorted(ours) == [f"dense/{k}" for k in
+                            ("inputs_amax_history", "inputs_scale", "kernel_amax_history", "kernel_scale")]
+
+
+def test_recalibration_survives_save_and_reload(zoo, outputs, tmp_path):
+    block = zoo.get("keras3_transformer")
+    out, _ = outputs.get("keras3_transformer", TRANSFORMER_FLOAT8, "tf8_plain")
+    loaded = tf.saved_model.load(str(out))
+    before = {v.name: v.numpy() for v in loaded.tfpolicy.variables}
+    new_scales = loaded.tfpolicy.calibrate(**{k: tf.constant(v) for k, v in _transformer_inputs(7).items()})
+    assert new_scales["mha/value/inputs_scale"].numpy() != before["mha/value/inputs_scale:0"]
+    resaved = tmp_path / "resaved"
+    tf.saved_model.save(loaded, str(resaved), signatures=loaded.signatures)
+    reloaded = tf.saved_model.load(str(resaved))
+    after = {v.name: v.numpy() for v in reloaded.tfpolicy.variables}
+    assert after["mha/value/inputs_scale:0"] == new_scales["mha/value/inputs_scale"].numpy()
+    assert callable(reloaded.tfpolicy.calibrate)
+    inputs = _transformer_inputs(8)
+    y_fp32 = _single_output(block, block.saved_model_dir, inputs)
+    y_recal = _single_output(block, resaved, inputs)
+    assert np.abs(y_recal - y_fp32).max() < np.abs(_single_output(block, out, inputs) - y_fp32).max()
+
+
+# -- serving: XLA, the FP8 GEMM pattern, TF1 loader ----------------------------------------
+
+
+CASES = {
+    "int8": ("keras3_quantizable", INT8_MAP, {}),
+    "float8": ("keras3_quantizable", FLOAT8_MAP, {"calibration_data": [{"tokens": np.arange(40, dtype=np.int32).reshape(8, 5) % 20}]}),
+    "cnn": ("keras3_cnn", CNN_MAP, {}),
+}
+
+
+def _case(outputs, tag: str):
+    name, policy_map, kwargs = CASES[tag]
+    return outputs.get(name, policy_map, {"float8": "float8_xla"}.get(tag, tag), **kwargs)
+
+
+@pytest.mark.parametrize("tag", sorted(CASES))
+def test_every_signature_runs_under_xla_with_the_same_results(zoo, outputs, tag):
+    name = CASES[tag][0]
+    out, _ = _case(outputs, tag)
+    loaded = tf.saved_model.load(str(out))
+    for key, inputs in zoo.get(name).sample_inputs.items():
+        function = loaded.signatures[key]
+        feeds = {k: tf.constant(v) for k, v in inputs.items()}
+        eager = function(**feeds)
+        compiled = tf.function(lambda **kw: function(**kw), jit_compile=True)(**feeds)
+        for output in eager:
+            np.testing.assert_allclose(compiled[output].numpy(), eager[output].numpy(), rtol=1e-2, atol=1e-2)
+
+
+def test_float8_dot_operands_match_xla_fp8_gemm_pattern(zoo, outputs):
+    out, _ = _case(outputs, "float8")
+    loaded = tf.saved_model.load(str(out))
+    function = loaded.signatures["serving_default"]
+    tokens = tf.constant(zoo.get("keras3_quantizable").sample_inputs["serving_default"]["tokens"])
+    compiled = tf.function(lambda t: function(tokens=t), jit_compile=True)
+    hlo = compiled.experimental_get_compiler_ir(tokens)(stage="hlo")
+    instructions = _hlo_instructions(hlo)
+    float8_dots = [i for i in instructions.values() if i.op == "dot" and re.search(r"/(dense_in|proj|mix)_\d+/", i.op_name)]
+    assert len(float8_dots) == 3
+    for dot in float8_dots:
+        for operand in dot.operands:
+            _assert_float8_dequantized(instructions, operand)
+    other_dots = [i for i in instructions.values() if i.op == "dot" and i not in float8_dots]
+    assert other_dots and not any("f8e4m3fn" in instructions[o].shape for d in other_dots for o in d.operands)
+
+
+class _Instruction:
+    def __init__(self, name: str, shape: str, op: str, operands: list[str], op_name: str) -> None:
+        self.name, self.shape, self.op, self.operands, self.op_name = name, shape, op, operands, op_name
+
+
+_HLO_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+(?:\{[^}]*\})?)\s+([\w\-]+)\((.*?)\)")
+
+
+def _hlo_instructions(hlo: str) -> dict[str, _Instruction]:
+    found = {}
+    for line in hlo.splitlines():
+        match = _HLO_LINE.match(line)
+        if not match:
+            continue
+        name, shape, op, args = match.groups()
+        operands = re.findall(r"%([\w.\-]+)", args)
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        found[name] = _Instruction(name, shape, op, operands, op_name.group(1) if op_name else "")
+    return found
+
+
+def _skip_layout(instructions, name: str) -> _Instruction:
+    node = instructions[name]
+    while node.op in ("bitcast", "copy", "reshape", "transpose"):
+        node = instructions[node.operands[0]]
+    return node
+
+
+def _assert_float8_dequantized(instructions, operand: str) -> None:
+    """``multiply(convert(f8e4m3fn convert(...)), broadcast(scalar))`` or its divide form."""
+    node = _skip_layout(instructions, operand)
+    assert node.op in ("multiply", "divide"), node.op
+    kinds = sorted(instructions[o].op for o in node.operands)
+    assert kinds == ["broadcast", "convert"], kinds
+    convert = next(instructions[o] for o in node.operands if instructions[o].op == "convert")
+    assert instructions[convert.operands[0]].shape.startswith("f8e4m3fn")
+    broadcast = next(instructions[o] for o in node.operands if instructions[o].op == "broadcast")
+    assert re.match(r"\w+\[\]", instructions[broadcast.operands[0]].shape), "the scale must be a scalar"
+
+
+@pytest.mark.parametrize("tag", ["int8", "float8"])
+def test_quantized_outputs_run_through_the_tf1_session_loader(zoo, outputs, tag):
+    name = "keras3_quantizable"
+    out, _ = _case(outputs, tag)
+    inputs = zoo.get(name).sample_inputs["serving_default"]
+    expected = _single_output(zoo.get(name), out)
+    with tf.compat.v1.Session(graph=tf.Graph()) as session:
+        meta_graph = tf.compat.v1.saved_model.loader.load(session, ["serve"], str(out))
+        signature = meta_graph.signature_def["serving_default"]
+        (output,) = signature.outputs.values()
+        got = session.run(output.name, {signature.inputs["tokens"].name: inputs["tokens"]})
+    np.testing.assert_array_equal(got, expected)
+
+
+# -- plan, report, errors -----------------------------------------------------------------
+
+
+def test_explain_lists_quantized_declined_and_variables(zoo):
+    report = tfpolicy.explain(zoo.get("keras3_transformer").saved_model_dir,
+                              {"default_policy": "mixed_bfloat16", "policy_map": {"mha": INT8, "ffn_in": INT8}})
+    mha = report.quantization["mha"]  # the attention einsums multiply activations, not weights
+    assert mha.ops_quantized == 0 and mha.declined
+    assert all("kernel not a variable" in reason for reason in mha.declined)
+    ffn = report.quantization["ffn_in"]
+    assert ffn.ops_quantized == 2 and ffn.variables == ["ffn_in/kernel", "ffn_in/kernel_scale"]
+    low, high = ffn.scales["ffn_in/kernel_scale"]
+    assert 0 < low <= high
+    table = report.format_table()
+    assert "kernel not a variable" in table and "int8: 2 ops quantized (kernel_scale" in table
+    assert report.to_json()["quantization"]["ffn_in"]["ops_quantized"] == 2
+
+
+def test_int8_from_mixed_float16_is_refused_in_one_line(zoo, tmp_path):
+    with pytest.raises(tfpolicy.PolicyMapError) as raised:
+        tfpolicy.rewrite(zoo.get("keras3_mlp").saved_model_dir, tmp_path / "out",
+                         {"policy_map": {"head": "int8_from_mixed_float16"}})
+    message = str(raised.value)
+    assert "\n" not in message and "int8_from_mixed_float16" in message and "'head'" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantized_layer_without_a_matmul_warns_and_strict_refuses(zoo, tmp_path):
+    saved_model = zoo.get("keras3_transformer").saved_model_dir
+    policy_map = {"policy_map": {"ln_1": INT8}}
+    report = tfpolicy.explain(saved_model, policy_map)
+    assert any("ln_1" in w and "no matmul-like op" in w for w in report.warnings)
+    with pytest.raises(tfpolicy.StrictModeError, match="ln_1"):
+        tfpolicy.rewrite(saved_model, tmp_path / "out", policy_map, strict=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_calibration_batches_are_input_errors(zoo, tmp_path):
+    saved_model = zoo.get("keras3_mlp").saved_model_dir
+    policy_map = {"policy_map": {"dense": FLOAT8}}
+    with pytest.raises(tfpolicy.InputDataError, match="features"):
+        tfpolicy.rewrite(saved_model, tmp_path / "a", policy_map, calibration_data=[{"wrong": np.zeros((2, 16))}])
+    with pytest.raises(tfpolicy.InputDataError, match="no batch"):
+        tfpolicy.rewrite(saved_model, tmp_path / "b", policy_map, calibration_data=[])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
