@@ -199,6 +199,31 @@ def _strict_unused_key(ws, model):
     return ["--map", name, "--strict", str(model), "out"], ws / "out"
 
 
+FLOAT8_MAP = {"policy_map": {"dense": "float8_from_mixed_bfloat16"}}
+
+
+def _calibration_file_missing(ws, model):
+    name = write_json(ws / "float8.json", FLOAT8_MAP)
+    return ["--map", name, "--calibration_data", "absent.npz", str(model), "out"], ws / "out"
+
+
+def _calibration_not_npz(ws, model):
+    name = write_json(ws / "float8.json", FLOAT8_MAP)
+    (ws / "data.npz").write_text("not a zip archive\n")
+    return ["--map", name, "--calibration_data", "data.npz", str(model), "out"], ws / "out"
+
+
+def _calibration_wrong_input(ws, model):
+    name = write_json(ws / "float8.json", FLOAT8_MAP)
+    np.savez(ws / "data.npz", pixels=np.zeros((4, 16), np.float32))
+    return ["--map", name, "--calibration_data", "data.npz", str(model), "out"], ws / "out"
+
+
+def _int8_from_mixed_float16(ws, model):
+    name = write_json(ws / "int8.json", {"policy_map": {"head": "int8_from_mixed_float16"}})
+    return ["--map", name, str(model), "out"], ws / "out"
+
+
 def _report_unwritable(ws, model):
     return ["--map", _good_map(ws), "--report", "no_such_dir/report.json", str(model), "out"], ws / "out"
 
@@ -224,6 +249,10 @@ ERROR_CASES = [
     ErrorCase("unknown_signature", _unknown_signature, ("'no_such_sig'", "serving_default")),
     ErrorCase("unknown_flag", _unknown_flag, ("no_such_flag",)),
     ErrorCase("strict_unused_key", _strict_unused_key, ("'no_such_layer'", "--strict")),
+    ErrorCase("calibration_file_missing", _calibration_file_missing, ("absent.npz", "does not exist")),
+    ErrorCase("calibration_not_npz", _calibration_not_npz, ("data.npz", "not a readable .npz")),
+    ErrorCase("calibration_wrong_input", _calibration_wrong_input, ("'features'", "pixels")),
+    ErrorCase("int8_from_mixed_float16", _int8_from_mixed_float16, ("int8_from_mixed_float16", "'head'", "float16")),
     ErrorCase(
         "report_path_unwritable",
         _report_unwritable,
@@ -423,3 +452,23 @@ def test_helpshort_mentions_map(helpshort: subprocess.CompletedProcess) -> None:
 
 def test_helpshort_exits_0(helpshort: subprocess.CompletedProcess) -> None:
     assert helpshort.returncode == 0, describe(helpshort)
+
+
+def test_float8_calibration_from_an_npz_file(model_dir, tmp_path: pathlib.Path) -> None:
+    name = write_json(tmp_path / "float8.json", FLOAT8_MAP)
+    features = np.random.default_rng(0).standard_normal((10, 16)).astype(np.float32) * 50
+    np.savez(tmp_path / "data.npz", features=features)
+    result = run_cli(["--map", name, "--calibration_data", "data.npz", "--calibration_batch_size", "4",
+                      "--calibration_batches", "2", "--report", "report.json", str(model_dir), "out"], tmp_path)
+    assert result.returncode == 0, describe(result)
+    assert "(2 calibration batches)" in result.stderr, describe(result)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["calibration_batches"] == 2
+    scale = report["quantization"]["dense"]["scales"]["dense/inputs_scale"]
+    loaded = tf.saved_model.load(str(tmp_path / "out"))
+    values = {v.name: v.numpy() for v in loaded.tfpolicy.variables}
+    assert values["dense/inputs_scale:0"] == pytest.approx(scale[0]) and scale[0] != 1.0
+    # Two batches of four rows, the amax of each rolled in (measured on the bf16 inputs).
+    history = values["dense/inputs_amax_history:0"]
+    np.testing.assert_allclose([history[0], history[-1]], [np.abs(features[4:8]).max(), np.abs(features[:4]).max()], rtol=1e-2)
+    assert not history[1:-1].any()
