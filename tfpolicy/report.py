@@ -186,6 +186,11 @@ class Report:
                 f" {s.casts_reused} reused, {s.casts_folded} folded"
                 + (f", {s.ops_quantized} ops quantized" if s.ops_quantized else "")
             )
+        for path, quantized in self.quantization.items():
+            if quantized.variables:
+                lines.append(f"variables added for {path}: {', '.join(quantized.variables)}")
+        if self.calibration_batches:
+            lines.append(f"calibrated on {self.calibration_batches} batches")
         for key in self.plan.unused_keys:
             lines.append(f"warning: policy map key '{key}' matches no layer")
         return "\n".join(lines)

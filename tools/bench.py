@@ -3,6 +3,7 @@
     python tools/bench.py [--depth 12] [--width 768] [--heads 12] [--seq 128]
                           [--ffn 3072] [--depths 2,4,8,12] [--workdir DIR]
                           [--json OUT] [--repeat N] [--profile DEPTH]
+                          [--policy mixed_bfloat16]
 
 For each depth in ``--depths`` (plus ``--depth``) it builds, once and in its own
 subprocess, a float32 Keras 3 Functional transformer encoder and exports it
@@ -21,7 +22,10 @@ time and peak RSS (``ru_maxrss`` of the child) of
 
   floor     ``tf.saved_model.load(dir)`` + ``tf.saved_model.save(loaded, out,
             signatures=loaded.signatures)``, TensorFlow alone;
-  tfpolicy  ``tfpolicy.rewrite(dir, out, {"default_policy": "mixed_bfloat16"})``.
+  tfpolicy  ``tfpolicy.rewrite(dir, out, {"default_policy": POLICY})``, POLICY
+            from ``--policy`` (default ``mixed_bfloat16``; e.g.
+            ``int8_from_mixed_bfloat16`` or ``float8_from_mixed_bfloat16`` to
+            time the quantization, float8 without calibration).
 
 Only the work after the imports is timed; import time is reported apart.
 ``--repeat N`` runs each case N times, alternating floor and tfpolicy, and
@@ -51,7 +55,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 RESULT_MARKER = "BENCH_RESULT "
-POLICY = {"default_policy": "mixed_bfloat16"}
+DEFAULT_POLICY = "mixed_bfloat16"
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -136,7 +140,7 @@ def child_tfpolicy(args) -> dict:
     t_import = time.perf_counter() - t0
     rss_after_import = _peak_rss_mb()
     cpu0, t0 = _cpu_seconds(), time.perf_counter()
-    report = tfpolicy.rewrite(args.input, args.out, dict(POLICY))
+    report = tfpolicy.rewrite(args.input, args.out, {"default_policy": args.policy})
     seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     return {"seconds": seconds, "cpu_seconds": cpu, "import_seconds": t_import, "peak_rss_mb": _peak_rss_mb(),
             "rss_after_import_mb": rss_after_import, "casts_inserted": report.casts_inserted,
@@ -157,7 +161,7 @@ def child_profile(args) -> dict:
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
     profiler.enable()
-    tfpolicy.rewrite(args.input, args.out, dict(POLICY))
+    tfpolicy.rewrite(args.input, args.out, {"default_policy": args.policy})
     profiler.disable()
     seconds = time.perf_counter() - t0
     text = io.StringIO()
@@ -185,6 +189,7 @@ def child_main(argv: list[str]) -> int:
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--pstats")
+    parser.add_argument("--policy", default=DEFAULT_POLICY)
     args = parser.parse_args(argv)
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -239,13 +244,14 @@ def ensure_export(workdir: pathlib.Path, depth: int, shape: dict) -> tuple[pathl
     return path, result["params"]
 
 
-def measure(mode: str, export: pathlib.Path, workdir: pathlib.Path, depth: int, run: str = "") -> dict:
+def measure(mode: str, export: pathlib.Path, workdir: pathlib.Path, depth: int, run: str = "",
+            policy: str = DEFAULT_POLICY) -> dict:
     out = workdir / "out" / f"{mode}_d{depth}"
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _progress(f"depth {depth}: {mode}{run} ...")
-    result = run_child(mode, input=export, out=out)
+    result = run_child(mode, input=export, out=out, policy=policy if mode == "tfpolicy" else None)
     _progress(f"depth {depth}: {mode}{run} {result['seconds']:.1f}s (cpu {result['cpu_seconds']:.1f}s),"
               f" peak RSS {result['peak_rss_mb']:.0f} MB (import {result['import_seconds']:.1f}s)")
     shutil.rmtree(out, ignore_errors=True)
@@ -300,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=None, metavar="DEPTH",
                         help="also profile tfpolicy.rewrite at DEPTH with cProfile")
     parser.add_argument("--top", type=int, default=30, help="rows of the cProfile listing (default 30)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY,
+                        help="the map's default policy (default mixed_bfloat16; try int8_from_mixed_bfloat16)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure each case N times, alternating, and keep the fastest (default 1)")
     args = parser.parse_args(argv)
@@ -320,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         workdir = args.workdir.resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-    _progress(f"workdir {workdir}; depths {depths}; width {shape['width']} heads {shape['heads']}"
+    _progress(f"policy {args.policy}; workdir {workdir}; depths {depths}; width {shape['width']} heads {shape['heads']}"
               f" seq {shape['seq']} ffn {shape['ffn']}; {os.cpu_count()} CPUs")
     started = time.perf_counter()
     try:
@@ -331,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.repeat):  # alternate, so both see the same background load
                 run = f" (run {i + 1}/{args.repeat})" if args.repeat > 1 else ""
                 floors.append(measure("floor", export, workdir, depth, run))
-                tfps.append(measure("tfpolicy", export, workdir, depth, run))
+                tfps.append(measure("tfpolicy", export, workdir, depth, run, args.policy))
             floor, tfp = best_of(floors), best_of(tfps)
             rows.append({
                 "depth": depth, "params": params, "export": str(export), "floor": floor, "tfpolicy": tfp,
@@ -344,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             out = workdir / "out" / f"profile_d{args.profile}"
             shutil.rmtree(out, ignore_errors=True)
             _progress(f"depth {args.profile}: profiling tfpolicy.rewrite ...")
-            profile = run_child("profile", input=export, out=out, top=args.top)
+            profile = run_child("profile", input=export, out=out, top=args.top, policy=args.policy)
             shutil.rmtree(out, ignore_errors=True)
             profile["depth"] = args.profile
 

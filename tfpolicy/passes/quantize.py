@@ -143,8 +143,13 @@ class QuantizePass:
     def run(self) -> QuantizeResult:
         sites = sorted(self.qplan.sites_in(self.signature, self.graph.name), key=lambda s: s.node)
         gather_sites = {s.node for s in sites if s.contraction.kind == "gather"}
+        reads: dict[int, list[Node]] = {}
+        for node in list(self.graph.nodes.values()):
+            info = self.index.variable_read_by(self.signature, self.graph, node) if node.op == "ReadVariableOp" else None
+            if info is not None and info.uid in self.qplan.int8_kernels:
+                reads.setdefault(info.uid, []).append(node)
         for kernel in sorted(self.qplan.int8_kernels.values(), key=lambda k: k.name):
-            self._store_int8(kernel, gather_sites)
+            self._store_int8(kernel, reads.get(kernel.uid, []), gather_sites)
         for site in sites:
             if site.contraction.kind == "gather":
                 self._gather(site, self.qplan.int8_kernels[site.variable_uid])
@@ -205,11 +210,8 @@ class QuantizePass:
 
     # -- int8 ------------------------------------------------------------------------
 
-    def _store_int8(self, kernel: Int8Kernel, gather_sites: set[str]) -> None:
+    def _store_int8(self, kernel: Int8Kernel, reads: list[Node], gather_sites: set[str]) -> None:
         """Every read of the kernel reads int8 and is dequantized with its scale."""
-        reads = [n for n in list(self.graph.nodes.values()) if n.op == "ReadVariableOp"
-                 and (info := self.index.variable_read_by(self.signature, self.graph, n)) is not None
-                 and info.uid == kernel.uid]
         for read in reads:
             read.attrs["dtype"] = _type(INT8)
             users = [(c, p) for c, p in self.graph.uses(TensorRef(read.name)) if c not in gather_sites]
