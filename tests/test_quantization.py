@@ -339,7 +339,10 @@ def test_explain_lists_quantized_declined_and_variables(zoo):
     assert 0 < low <= high
     table = report.format_table()
     assert "kernel not a variable" in table and "int8: 2 ops quantized (kernel_scale" in table
-    assert report.to_json()["quantization"]["ffn_in"]["ops_quantized"] == 2
+    as_json = report.to_json()["quantization"]
+    assert as_json["ffn_in"]["ops_quantized"] == 2
+    assert sorted(op.split(":")[0] for op in as_json["ffn_in"]["quantized_ops"]) == ["serve", "serving_default"]
+    assert {d["op"] for d in as_json["mha"]["declined_ops"]} == {"Einsum"}
 
 
 def test_int8_from_mixed_float16_is_refused_in_one_line(zoo, tmp_path):
@@ -369,3 +372,20 @@ def test_bad_calibration_batches_are_input_errors(zoo, tmp_path):
     with pytest.raises(tfpolicy.InputDataError, match="no batch"):
         tfpolicy.rewrite(saved_model, tmp_path / "b", policy_map, calibration_data=[])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_tf_data_dataset_calibrates_like_a_list_of_batches(zoo, tmp_path):
+    saved_model = zoo.get("keras3_mlp").saved_model_dir
+    features = (np.random.default_rng(3).standard_normal((12, 16)) * 30).astype(np.float64)  # cast to float32
+    dataset = tf.data.Dataset.from_tensor_slices({"features": features.astype(np.float32)}).batch(4)
+    policy_map = {"policy_map": {"dense|dense_1": FLOAT8}}
+    a = tfpolicy.rewrite(saved_model, tmp_path / "a", policy_map, calibration_data=dataset)
+    b = tfpolicy.rewrite(saved_model, tmp_path / "b", policy_map,
+                         calibration_data=[{"features": features[i:i + 4]} for i in range(0, 12, 4)],
+                         calibration_batches=2)
+    assert (a.calibration_batches, b.calibration_batches) == (3, 2)
+    from_dataset, from_list = _variables(tmp_path / "a"), _variables(tmp_path / "b")
+    # Histories roll left: after 3 batches [a3, 0, ..., a1, a2]; after 2 [a2, 0, ..., a1].
+    dataset_history, list_history = from_dataset["dense/inputs_amax_history"], from_list["dense/inputs_amax_history"]
+    assert (dataset_history[-2], dataset_history[-1]) == (list_history[-1], list_history[0]) and list_history[0] > 0
+    assert from_dataset["dense/inputs_scale"] != 1.0

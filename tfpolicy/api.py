@@ -251,8 +251,10 @@ def _check_batch(batch: dict, signature: str, function) -> dict:
         value = batch[name]
         try:
             tensor = tf.convert_to_tensor(value)
-            if tensor.dtype != spec.dtype and tensor.dtype.is_floating and spec.dtype.is_floating:
-                tensor = tf.cast(tensor, spec.dtype)
+            same_kind = (tensor.dtype.is_floating and spec.dtype.is_floating) or (
+                tensor.dtype.is_integer and spec.dtype.is_integer)
+            if tensor.dtype != spec.dtype and same_kind:
+                tensor = tf.cast(tensor, spec.dtype)  # e.g. numpy's default float64 / int64
         except (TypeError, ValueError) as exc:
             raise InputDataError(f"calibration input '{name}' cannot be read as a tensor: {exc}") from exc
         if tensor.dtype != spec.dtype or not spec.shape.is_compatible_with(tensor.shape):

@@ -38,6 +38,8 @@ class QuantizedLayer:
     declined: dict[str, int]  # reason -> count
     variables: list[str]
     scales: dict[str, tuple[float, float]]  # variable name -> (min, max)
+    quantized_ops: list[str] = dataclasses.field(default_factory=list)  # "signature: node (op)"
+    declined_ops: list[dict] = dataclasses.field(default_factory=list)  # node, op, reason
 
     def summary(self) -> str:
         if not self.ops_quantized:
@@ -63,10 +65,11 @@ def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: dict)
         return layers.setdefault(path, QuantizedLayer(path, mode, quantized.get(path, 0), {}, [], {}))
 
     for site in qplan.sites:
-        row(site.layer, site.mode)
+        row(site.layer, site.mode).quantized_ops.append(f"{site.signature}: {site.node} ({site.op})")
     for declined in qplan.declined:
-        bucket = row(declined.layer, declined.mode).declined
-        bucket[declined.reason] = bucket.get(declined.reason, 0) + 1
+        entry = row(declined.layer, declined.mode)
+        entry.declined[declined.reason] = entry.declined.get(declined.reason, 0) + 1
+        entry.declined_ops.append({"node": declined.node, "op": declined.op, "reason": declined.reason})
     for path, mode in qplan.layers_without_sites:
         row(path, mode)
     for kernel in qplan.int8_kernels.values():
