@@ -416,6 +416,18 @@ def _tf_keras() -> Any:
     return tf_keras
 
 
+def _save_tfkeras(model: Any, name: str, directory: pathlib.Path, layer_paths: tuple[str, ...]) -> ZooModel:
+    saved_model_dir = directory / name
+    model.save(str(saved_model_dir), save_format="tf")
+    return ZooModel(
+        name=name,
+        saved_model_dir=saved_model_dir,
+        sample_inputs=sample_inputs_for(saved_model_dir),
+        layer_paths=layer_paths,
+        rebuild=None,
+    )
+
+
 def export_tfkeras_functional(directory: pathlib.Path) -> ZooModel:
     tfk = _tf_keras()
     inputs = tfk.Input(shape=(10,), name="features")
@@ -423,15 +435,7 @@ def export_tfkeras_functional(directory: pathlib.Path) -> ZooModel:
     x = tfk.layers.Dense(16, activation="relu", name="encoder_dense_1")(x)
     outputs = tfk.layers.Dense(3, name="head")(x)
     model = tfk.Model(inputs, outputs, name="m2")
-    saved_model_dir = directory / "tfkeras_functional"
-    model.save(str(saved_model_dir), save_format="tf")
-    return ZooModel(
-        name="tfkeras_functional",
-        saved_model_dir=saved_model_dir,
-        sample_inputs=sample_inputs_for(saved_model_dir),
-        layer_paths=("encoder_dense", "encoder_dense_1", "head"),
-        rebuild=None,
-    )
+    return _save_tfkeras(model, "tfkeras_functional", directory, ("encoder_dense", "encoder_dense_1", "head"))
 
 
 def export_tfkeras_embedding(directory: pathlib.Path) -> ZooModel:
@@ -442,15 +446,7 @@ def export_tfkeras_embedding(directory: pathlib.Path) -> ZooModel:
     x = tfk.layers.Flatten(name="flatten")(x)
     outputs = tfk.layers.Dense(3, name="head")(x)
     model = tfk.Model(tokens, outputs, name="emb")
-    saved_model_dir = directory / "tfkeras_embedding"
-    model.save(str(saved_model_dir), save_format="tf")
-    return ZooModel(
-        name="tfkeras_embedding",
-        saved_model_dir=saved_model_dir,
-        sample_inputs=sample_inputs_for(saved_model_dir),
-        layer_paths=("embedding", "head"),
-        rebuild=None,
-    )
+    return _save_tfkeras(model, "tfkeras_embedding", directory, ("embedding", "head"))
 
 
 def export_tfkeras_lstm(directory: pathlib.Path) -> ZooModel:
@@ -459,16 +455,8 @@ def export_tfkeras_lstm(directory: pathlib.Path) -> ZooModel:
     x = tfk.layers.LSTM(8, unroll=False, name="lstm")(inputs)
     outputs = tfk.layers.Dense(2, name="head")(x)
     model = tfk.Model(inputs, outputs, name="rnn")
-    saved_model_dir = directory / "tfkeras_lstm"
-    model.save(str(saved_model_dir), save_format="tf")
-    return ZooModel(
-        name="tfkeras_lstm",
-        saved_model_dir=saved_model_dir,
-        sample_inputs=sample_inputs_for(saved_model_dir),
-        # The variables live in the cell: lstm/lstm_cell/{kernel,recurrent_kernel,bias}.
-        layer_paths=("lstm/lstm_cell", "head"),
-        rebuild=None,
-    )
+    # The variables live in the cell: lstm/lstm_cell/{kernel,recurrent_kernel,bias}.
+    return _save_tfkeras(model, "tfkeras_lstm", directory, ("lstm/lstm_cell", "head"))
 
 
 # --------------------------------------------------------------------------
