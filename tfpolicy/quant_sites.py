@@ -317,37 +317,30 @@ def _trace_kernel(signature, graph, operand: TensorRef, contraction: Contraction
     info = index.variable_read_by(signature, graph, node)
     if info is None:
         return None
-    shapes = [tuple(int(d) for d in info.shape)]  # shape after each chain step, var first
-    transforms = []
-    for step in reversed(chain):
-        shape = shapes[-1]
+    if any(d is None for d in info.shape):
+        return info, node.name, None
+    shape = tuple(int(d) for d in info.shape)
+    back: list[Callable[[set[int]], Optional[set[int]]]] = []  # each step's axes mapped to its input's
+    for step in reversed(chain):  # from the variable towards the op
         if step.op == "Transpose":
             perm = _const_input(graph, step, 1)
             if perm is None:
                 return info, node.name, None
             perm = [int(p) for p in np.asarray(perm).reshape(-1)]
-            transforms.append(("transpose", perm))
-            shapes.append(tuple(shape[p] for p in perm))
+            back.append(lambda axes, perm=perm: {perm[a] for a in axes})
+            shape = tuple(shape[p] for p in perm)
         elif step.op == "Reshape":
             target = _const_input(graph, step, 1)
-            if target is None or any(d is None or d < 0 for d in shape):
+            if target is None:
                 return info, node.name, None
             target = _resolve_reshape(shape, [int(d) for d in np.asarray(target).reshape(-1)])
-            transforms.append(("reshape", (shape, target)))
-            shapes.append(target)
-        else:
-            transforms.append(("same", None))
-            shapes.append(shape)
-    rank = len(shapes[-1])
-    axes = {a % rank for a in contraction.kernel_reduced} if rank else set()
-    for (kind, data), shape_after in zip(reversed(transforms), reversed(shapes[1:])):
-        if kind == "transpose":
-            axes = {data[a] for a in axes}
-        elif kind == "reshape":
-            mapped = _reshape_axes_back(data[0], data[1], axes)
-            if mapped is None:
-                return info, node.name, None
-            axes = mapped
+            back.append(lambda axes, source=shape, target=target: _reshape_axes_back(source, target, axes))
+            shape = target
+    axes: Optional[set[int]] = {a % len(shape) for a in contraction.kernel_reduced} if shape else set()
+    for step_back in reversed(back):
+        axes = step_back(axes)
+        if axes is None:
+            return info, node.name, None
     return info, node.name, tuple(sorted(axes))
 
 
