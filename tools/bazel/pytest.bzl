@@ -24,5 +24,6 @@ def pytest_test(name, tests, support = [], deps = [], data = [], args = [], **kw
         data = data,
         args = ["$(rootpath %s)" % test for test in tests] + args,
         python_version = "PY3",
+        legacy_create_init = False,  # else runfiles/tfpolicy/__init__.py shadows the package
         **kwargs
     )
