@@ -14,8 +14,8 @@ declares, unless the workspace already has them:
 
 The interpreter is the first of: $BAZEL_PYTHON; `.venv/bin/python` in the main
 workspace; `.venv/bin/python` in tfpolicy's checkout; `python3` on PATH. The
-repository fails with one line naming the interpreter and what it lacks when a
-module of `required_modules` does not import.
+repository fails, naming the interpreter and what it lacks, when a module of
+`required_modules` cannot be found.
 """
 
 _CC_RULES = [
@@ -91,7 +91,8 @@ def _python_candidates(repository_ctx):
         ("tfpolicy's checkout", Label("//:WORKSPACE")),
     ]
     for where, label in roots:
-        venv_python = "{}/.venv/bin/python".format(repository_ctx.path(label).dirname)
+        root = repository_ctx.path(label).dirname.realpath  # not external/<name>
+        venv_python = "{}/.venv/bin/python".format(root)
         if repository_ctx.path(venv_python).exists:
             candidates.append((venv_python, ".venv of " + where))
     python3 = repository_ctx.which("python3")
@@ -110,6 +111,8 @@ def _python_toolchain_impl(repository_ctx):
     if not candidates:
         fail("tfpolicy: error: no Python interpreter: set BAZEL_PYTHON, create .venv, or put python3 on PATH")
     python, where = candidates[0]
+    if python.startswith("/") and not repository_ctx.path(python).exists:
+        fail("tfpolicy: error: Python interpreter '{}' (from {}) does not exist".format(python, where))
     result = repository_ctx.execute([python, "-c", _CHECK_MODULES] + repository_ctx.attr.required_modules)
     if result.return_code != 0:
         fail("tfpolicy: error: Python interpreter '{}' (from {}) does not run: {}".format(
