@@ -8,7 +8,8 @@ server (own output base, shut down at the end) on this interpreter
 * ``tfpolicy_rewrite`` writes a SavedModel directory;
 * ``tfpolicy_test`` passes with the example's bound, and fails (exit 3, one
   FAIL line) with a bound below the error it measured;
-* a missing SavedModel fails the build with tfpolicy's one-line error.
+* a missing SavedModel fails the build with tfpolicy's one-line error;
+* ``calibration_data`` reaches the CLI's ``--calibration_data``.
 
 This file is not a Bazel target (tests/BUILD leaves it out): a Bazel server
 started from inside a Bazel test's sandbox is awkward and slow. pytest runs it;
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -163,3 +165,28 @@ def test_missing_saved_model_is_tfpolicy_one_line_error(workspace: Workspace) ->
     errors = [line for line in result.stderr.splitlines() if line.startswith("tfpolicy: error:")]
     assert errors == ["tfpolicy: error: input SavedModel 'no_model' does not exist"], describe(result)
     assert "Traceback" not in result.stderr
+
+
+def test_calibration_data_reaches_the_cli(workspace: Workspace) -> None:
+    np.savez(workspace.root / "calibration.npz", features=np.random.default_rng(0).standard_normal((64, 16)).astype("float32"))
+    (workspace.root / "float8.json").write_text(
+        '{"default_policy": "mixed_bfloat16", "policy_map": {"dense": "float8_from_mixed_bfloat16"}}\n'
+    )
+    (workspace.root / "broken.npz").write_bytes(b"not an npz")
+    for name, data in (("mlp_float8", "calibration.npz"), ("mlp_float8_broken", "broken.npz")):
+        workspace.append_build(
+            "tfpolicy_rewrite(\n"
+            f'    name = "{name}",\n'
+            f'    calibration_data = "{data}",\n'
+            '    policy_map = "float8.json",\n'
+            '    saved_model = "@tfpolicy//examples/mlp:saved_model",\n'
+            ")\n"
+        )
+    result = workspace.bazel("build", "//:mlp_float8")
+    assert result.returncode == 0, describe(result)
+    assert (workspace.root / "bazel-bin" / "mlp_float8" / "saved_model.pb").is_file()
+    broken = workspace.bazel("build", "//:mlp_float8_broken")
+    assert broken.returncode != 0, describe(broken)
+    errors = [line for line in broken.stderr.splitlines() if line.startswith("tfpolicy: error:")]
+    assert len(errors) == 1 and "broken.npz" in errors[0], describe(broken)
+    assert "Traceback" not in broken.stderr
