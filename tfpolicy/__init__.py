@@ -27,6 +27,10 @@ _EXPORTS = {
     "OutputError": "tfpolicy.errors",
     "StrictModeError": "tfpolicy.errors",
     "InputDataError": "tfpolicy.errors",
+    "TargetError": "tfpolicy.errors",
+    "ServingCheckError": "tfpolicy.errors",
+    "ValidationError": "tfpolicy.errors",
+    "validate": "tfpolicy.validation",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

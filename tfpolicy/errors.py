@@ -34,11 +34,37 @@ class OutputError(TfPolicyError):
 
 
 class InputDataError(TfPolicyError):
-    """Calibration or validation data is missing, unreadable or does not fit a signature."""
+    """Calibration, validation or warmup data is missing, unreadable or does not fit
+    a signature: a missing or non-npz file, object arrays, a missing or extra input
+    name, a wrong dtype or shape."""
 
 
 class StrictModeError(TfPolicyError):
     """A warning that ``strict=True`` turns into an error (e.g. an unused key)."""
+
+
+class TargetError(TfPolicyError):
+    """The policy map uses a dtype the serving target (``--target``) cannot run."""
+
+
+class ServingCheckError(TfPolicyError):
+    """The rewritten model fails a serving check it must pass (the TF1 session
+    loader, or XLA compilation for a TPU target); nothing is written."""
+
+
+class ValidationError(TfPolicyError):
+    """An output's error exceeds ``max_error``; ``validation`` holds the report.
+
+    Not a usage error: the CLI prints the validation table and exits 1.
+    """
+
+    def __init__(self, message: str, validation: object) -> None:
+        super().__init__(message)
+        self.validation = validation
+
+
+class MissingDependencyError(TfPolicyError):
+    """An optional package a feature needs is not installed (names the extra)."""
 
 
 class PassError(Exception):

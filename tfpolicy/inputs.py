@@ -1,28 +1,298 @@
-"""Input data for calibration and validation: ``.npz`` files of named batches."""
+"""Input arrays for a signature: read, check, batch and generate them.
+
+Validation data, calibration data and warmup requests all arrive as a dict of
+numpy arrays keyed by a signature's input names, batch first, string inputs as
+numpy bytes arrays (``dtype='S...'``)::
+
+    data.npz  --load_npz-->  {"features": float32 (N, 16)}
+              --check_inputs(arrays, "serving_default", signature)-->  ok / InputDataError
+              --iter_batches(arrays, 32)-->  {"features": (32, 16)}, ..., {"features": (N % 32, 16)}
+
+Every problem with the data is an :class:`~tfpolicy.errors.InputDataError`
+whose message is one line naming the data, the signature, the input, what was
+expected and what was received. Nothing here runs a model.
+"""
 
 from __future__ import annotations
 
 import os
+import pathlib
 import zipfile
-from typing import Union
+from typing import Any, Iterable, Iterator, Mapping, Optional, Union
 
 import numpy as np
+import tensorflow as tf
 
 from tfpolicy.errors import InputDataError
 
+UNKNOWN_DIM = 8
+"""Size :func:`generate_inputs` gives a ``None`` dimension other than the batch."""
+
+STRING_TOKENS = (b"the", b"cat", b"sat", b"on", b"mat", b"tfpolicy")
+"""Tokens :func:`generate_inputs` draws string inputs from."""
+
+InputSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Iterable[Any]]
+"""An npz path, one dict of arrays, or an iterable (e.g. a ``tf.data.Dataset``) of dicts."""
+
 
 def load_npz(path: Union[str, "os.PathLike[str]"], *, what: str = "validation data") -> dict[str, np.ndarray]:
-    """Arrays keyed by input name, batch first; never unpickles."""
+    """The arrays of an ``.npz`` file, keyed by name, loaded without pickle.
+
+    Unicode string arrays (``dtype='U...'``) are encoded to UTF-8 bytes. A
+    missing, unreadable or non-npz file, an object array, an array without a
+    batch dimension or arrays of different batch sizes raise :class:`InputDataError`.
+    """
+    file = pathlib.Path(path)
+    label = f"{what} '{path}'"
+    if not file.exists():
+        raise InputDataError(f"{label} does not exist")
+    if not file.is_file():
+        raise InputDataError(f"{label} is not a file")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except FileNotFoundError:
-        raise InputDataError(f"{what} '{path}' does not exist") from None
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise InputDataError(f"{what} '{path}' is not a readable .npz file: {exc}") from None
-    if not arrays:
-        raise InputDataError(f"{what} '{path}' holds no arrays")
-    sizes = {name: (a.shape[0] if a.ndim else None) for name, a in arrays.items()}
-    if None in sizes.values() or len(set(sizes.values())) != 1:
-        raise InputDataError(f"{what} '{path}': arrays must share their first (batch) dimension, got {sizes}")
+        loaded = np.load(file, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise InputDataError(f"{label} is not a readable .npz file: {_first_line(exc)}") from exc
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise InputDataError(f"{label} is a single .npy array; save named arrays with numpy.savez(path, name=array)")
+    arrays: dict[str, np.ndarray] = {}
+    with loaded:
+        if not loaded.files:
+            raise InputDataError(f"{label} holds no arrays")
+        for name in sorted(loaded.files):
+            try:
+                array = loaded[name]
+            except ValueError as exc:  # object arrays need pickle
+                raise InputDataError(
+                    f"{label}: array '{name}' is an object array, which is not loaded (no pickle);"
+                    " store strings as bytes, e.g. numpy.array(values, dtype='S')"
+                ) from exc
+            except (OSError, zipfile.BadZipFile, EOFError) as exc:
+                raise InputDataError(f"{label}: array '{name}' cannot be read: {_first_line(exc)}") from exc
+            arrays[name] = _normalized(array, f"{label}: array '{name}'")
+    try:
+        batch_rows(arrays)
+    except InputDataError as exc:
+        raise InputDataError(f"{label}: {exc}") from None
     return arrays
+
+
+def input_specs(function: Any) -> dict[str, tf.TensorSpec]:
+    """Input name -> TensorSpec of a signature ConcreteFunction (keyword inputs)."""
+    args, kwargs = function.structured_input_signature
+    specs = {spec.name: spec for spec in tf.nest.flatten(args) if isinstance(spec, tf.TensorSpec)}
+    for name, spec in (kwargs or {}).items():
+        if isinstance(spec, tf.TensorSpec):
+            specs[name] = spec
+    return dict(sorted(specs.items()))
+
+
+def describe_spec(spec: tf.TensorSpec) -> str:
+    """``float32 of shape (None, 16)``."""
+    return f"{spec.dtype.name} of shape {_shape_text(spec.shape)}"
+
+
+def describe_array(array: np.ndarray) -> str:
+    """``float64 of shape (10, 16)``; bytes arrays are ``string``."""
+    return f"{_dtype_text(array.dtype)} of shape {tuple(array.shape)}"
+
+
+def check_inputs(arrays: Mapping[str, np.ndarray], signature_key: str, function: Any, *, what: str) -> None:
+    """Raise :class:`InputDataError` unless ``arrays`` fit the signature exactly.
+
+    ``function`` is the loaded signature (its ``structured_input_signature``
+    gives names, dtypes and shapes). Checks: the same names, each dtype, the
+    rank and every dimension the signature fixes. ``what`` names the data in
+    the message (``"validation data 'val.npz'"``).
+    """
+    specs = input_specs(function)
+    missing = [name for name in specs if name not in arrays]
+    if missing:
+        name = missing[0]
+        raise InputDataError(
+            f"{what}: signature '{signature_key}' input '{name}' ({describe_spec(specs[name])}) is missing;"
+            f" received {_names(arrays)}"
+        )
+    extra = [name for name in arrays if name not in specs]
+    if extra:
+        raise InputDataError(
+            f"{what}: signature '{signature_key}' has no input '{extra[0]}'; it takes {_names(specs)}"
+        )
+    for name, spec in specs.items():
+        array = arrays[name]
+        if not _dtype_fits(array.dtype, spec.dtype) or not _shape_fits(array.shape, spec.shape):
+            raise InputDataError(
+                f"{what}: signature '{signature_key}' input '{name}' expects {describe_spec(spec)},"
+                f" received {describe_array(array)}"
+            )
+
+
+def iter_batches(arrays: Mapping[str, np.ndarray], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+    """Consecutive slices of ``batch_size`` rows (the last may be shorter).
+
+    Every array must have the same first dimension.
+    """
+    if batch_size < 1:
+        raise InputDataError(f"batch size must be at least 1, got {batch_size}")
+    rows = batch_rows(arrays)
+    for start in range(0, rows, batch_size):
+        yield {name: array[start : start + batch_size] for name, array in arrays.items()}
+
+
+def batch_rows(arrays: Mapping[str, np.ndarray]) -> int:
+    """The common first dimension of ``arrays``; InputDataError if they differ."""
+    if not arrays:
+        raise InputDataError("no input arrays given")
+    sizes = {}
+    for name, array in arrays.items():
+        if np.ndim(array) == 0:
+            raise InputDataError(f"input '{name}' is a scalar; arrays are batch first")
+        sizes[name] = np.shape(array)[0]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"'{name}' has {size}" for name, size in sizes.items())
+        raise InputDataError(f"inputs differ in their first (batch) dimension: {listed}")
+    return next(iter(sizes.values()))
+
+
+def generate_inputs(function: Any, *, batch: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs that fit the signature ``function``.
+
+    Floats are standard normal, integers drawn from ``[0, 4)`` (valid ids for any
+    vocabulary), bools fair coins, strings drawn from :data:`STRING_TOKENS`.
+    The first ``None`` dimension is ``batch``, other ``None`` dimensions are
+    :data:`UNKNOWN_DIM`.
+    """
+    return generate_for_specs(input_specs(function), batch=batch, seed=seed)
+
+
+def generate_for_specs(specs: Mapping[str, tf.TensorSpec], *, batch: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+    """:func:`generate_inputs` for input name -> TensorSpec (e.g. from a SignatureDef)."""
+    rng = np.random.default_rng(seed)
+    return {name: _generate(name, specs[name], rng, batch) for name in sorted(specs)}
+
+
+def batches_from(
+    source: InputSource, *, what: str, batch_size: int = 32, max_batches: Optional[int] = None
+) -> list[dict[str, np.ndarray]]:
+    """Batches of numpy arrays from an npz path, one dict of arrays, or an iterable.
+
+    An iterable (a list, a generator, a ``tf.data.Dataset``) yields one batch per
+    element: a dict of arrays or tensors, or an ``(inputs, labels)`` pair whose
+    first item is such a dict. Strings become bytes arrays.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        arrays = load_npz(source, what=what)
+        batches = list(iter_batches(arrays, batch_size))
+    elif isinstance(source, Mapping):
+        arrays = {name: _normalized(_to_numpy(value), f"{what}: input '{name}'") for name, value in source.items()}
+        batches = list(iter_batches(arrays, batch_size))
+    elif isinstance(source, Iterable):
+        batches = []
+        for position, element in enumerate(source):
+            if max_batches is not None and len(batches) >= max_batches:
+                break
+            batches.append(_element_arrays(element, f"{what}: element {position}"))
+    else:
+        raise InputDataError(
+            f"{what} must be an .npz path, a dict of arrays or an iterable of dicts, not {type(source).__name__}"
+        )
+    if not batches:
+        raise InputDataError(f"{what} holds no examples")
+    return batches[:max_batches] if max_batches is not None else batches
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def _element_arrays(element: Any, label: str) -> dict[str, np.ndarray]:
+    if isinstance(element, tuple) and element and isinstance(element[0], Mapping):
+        element = element[0]  # (inputs, labels) as Keras datasets yield them
+    if not isinstance(element, Mapping):
+        raise InputDataError(f"{label} is a {type(element).__name__}, not a dict of input name -> array")
+    arrays = {name: _normalized(_to_numpy(value), f"{label}: input '{name}'") for name, value in element.items()}
+    batch_rows(arrays)
+    return arrays
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "numpy"):
+        value = value.numpy()
+    return np.asarray(value)
+
+
+def _normalized(array: np.ndarray, label: str) -> np.ndarray:
+    """Unicode -> UTF-8 bytes, object arrays of bytes/str -> bytes; other objects refused."""
+    if array.dtype.kind == "U":
+        return np.char.encode(array, "utf-8")
+    if array.dtype.kind == "O":
+        flat = array.reshape(-1)
+        if all(isinstance(v, (bytes, str)) for v in flat):
+            return np.array([v.encode("utf-8") if isinstance(v, str) else v for v in flat], dtype=np.bytes_).reshape(
+                array.shape
+            )
+        raise InputDataError(f"{label} is an object array; use numeric arrays or bytes (dtype 'S')")
+    if array.ndim == 0:
+        raise InputDataError(f"{label} is a scalar; arrays are batch first")
+    return array
+
+
+def _dtype_fits(array_dtype: np.dtype, spec_dtype: tf.DType) -> bool:
+    if spec_dtype == tf.string:
+        return array_dtype.kind == "S"
+    try:
+        return np.dtype(spec_dtype.as_numpy_dtype) == array_dtype
+    except TypeError:
+        return False
+
+
+def _shape_fits(shape: tuple[int, ...], spec_shape: tf.TensorShape) -> bool:
+    if spec_shape.rank is None:
+        return len(shape) >= 1
+    if len(shape) != spec_shape.rank:
+        return False
+    return all(want is None or want == got for want, got in zip(spec_shape.as_list(), shape))
+
+
+def _generate(name: str, spec: tf.TensorSpec, rng: np.random.Generator, batch: int) -> np.ndarray:
+    if spec.shape.rank is None:
+        shape: tuple[int, ...] = (batch,)
+    else:
+        dims = spec.shape.as_list()
+        shape = tuple(
+            (batch if i == 0 else UNKNOWN_DIM) if d is None else int(d) for i, d in enumerate(dims)
+        )
+    dtype = spec.dtype
+    if dtype == tf.string:
+        return np.array(STRING_TOKENS, dtype=np.bytes_)[rng.integers(0, len(STRING_TOKENS), size=shape)]
+    if dtype == tf.bool:
+        return rng.random(shape) < 0.5
+    if dtype.is_floating or dtype.is_complex:
+        return rng.standard_normal(shape).astype(dtype.as_numpy_dtype)
+    if dtype.is_integer:
+        return rng.integers(0, 4, size=shape).astype(dtype.as_numpy_dtype)
+    raise InputDataError(f"cannot generate a value for input '{name}' of dtype {dtype.name}")
+
+
+def _names(items: Mapping[str, Any]) -> str:
+    return ", ".join(f"'{name}'" for name in items) if items else "no inputs"
+
+
+def _shape_text(shape: tf.TensorShape) -> str:
+    if shape.rank is None:
+        return "(unknown rank)"
+    dims = shape.as_list()
+    return "(" + ", ".join(str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def _dtype_text(dtype: np.dtype) -> str:
+    if dtype.kind == "S":
+        return "string"
+    if dtype.kind == "U":
+        return "unicode string"
+    return dtype.name
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,325 @@
+"""Per-layer error: compare each layer's output tensors in the float and the rewritten graph.
+
+Used by :mod:`tfpolicy.validation`. Both SavedModels are loaded through the
+serde boundary (:func:`tfpolicy.savedmodel_io.load`: inlined signature graphs),
+and the float model is indexed (:func:`tfpolicy.layer_index.build`) so that
+every node has a layer path. A layer's output tensors are the float outputs of
+its nodes that a node of another layer, or the signature's result, reads.
+
+Three evaluations per batch, each a function built from a signature graph with
+extra fetches (``wrap_function.function_from_graph_def``, the way
+:func:`tfpolicy.savedmodel_io.rebuild_function` rebuilds a signature)::
+
+    float:       inputs -> every layer output tensor t           (the reference, ref[t])
+    cumulative:  inputs -> rewritten t                           (errors accumulated up to t)
+    local:       inputs, feed_t = ref[t] -> rewritten t           (feed_t replaces t for the
+                                                                   readers in other layers)
+
+so the local error of a layer is what the layer adds when its inputs are the
+float model's. Nothing here mutates a graph it did not load itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import pathlib
+from typing import Any, Optional, Union
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
+from tensorflow.python.eager import wrap_function
+
+from tfpolicy import layer_index, savedmodel_io
+from tfpolicy.graph import Graph
+from tfpolicy.savedmodel_io import SignatureProgram
+from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef
+
+logger = logging.getLogger(__name__)
+
+OUTSIDE = "(outside every layer)"
+FEED_PREFIX = "tfpolicy_feed"
+_SKIPPED_PRODUCERS = frozenset({"Placeholder", "Const", "VarHandleOp", "_Arg"})
+
+
+@dataclasses.dataclass
+class ErrorAccumulator:
+    """Running sums over batches for one compared quantity."""
+
+    sum_sq_diff: float = 0.0
+    sum_sq_ref: float = 0.0
+    sum_sq_out: float = 0.0
+    sum_dot: float = 0.0
+    max_abs_diff: float = 0.0
+    max_abs_ref: float = 0.0
+    count: int = 0
+    mismatches: int = 0  # non-float values that differ
+
+    def add(self, reference: np.ndarray, output: np.ndarray) -> None:
+        if not _numeric(reference) or reference.dtype.kind == "b":
+            self.mismatches += int(np.sum(reference != output))
+            self.count += reference.size
+            return
+        ref = np.asarray(reference, dtype=np.float64).reshape(-1)
+        out = np.asarray(output, dtype=np.float64).reshape(-1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = out - ref
+            self.sum_sq_diff += float(np.sum(diff * diff))
+            self.sum_sq_ref += float(np.sum(ref * ref))
+            self.sum_sq_out += float(np.sum(out * out))
+            self.sum_dot += float(np.sum(ref * out))
+        if diff.size:
+            finite = np.all(np.isfinite(diff))
+            self.max_abs_diff = max(self.max_abs_diff, float(np.max(np.abs(diff))) if finite else math.inf)
+            self.max_abs_ref = max(self.max_abs_ref, float(np.max(np.abs(ref))))
+        self.count += ref.size
+
+    def merge(self, other: "ErrorAccumulator") -> None:
+        for field in dataclasses.fields(self):
+            if field.name.startswith("max_"):
+                setattr(self, field.name, max(getattr(self, field.name), getattr(other, field.name)))
+            else:
+                setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+    @property
+    def max_rel_error(self) -> float:
+        return _ratio(self.max_abs_diff, self.max_abs_ref)
+
+    @property
+    def rel_rms_error(self) -> float:
+        return _ratio(math.sqrt(self.sum_sq_diff), math.sqrt(self.sum_sq_ref)) if _finite(self.sum_sq_diff) else math.inf
+
+    @property
+    def cosine(self) -> float:
+        norms = math.sqrt(self.sum_sq_ref) * math.sqrt(self.sum_sq_out)
+        if not _finite(norms) or not _finite(self.sum_dot):
+            return math.nan
+        if norms == 0:
+            return 1.0 if self.sum_sq_ref == self.sum_sq_out else 0.0
+        return self.sum_dot / norms
+
+
+def _numeric(array: np.ndarray) -> bool:
+    return array.dtype.kind in "fciub" or array.dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _ratio(num: float, den: float) -> float:
+    if num == 0:
+        return 0.0
+    return num / den if den > 0 else math.inf
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def json_float(value: float) -> Union[float, str]:
+    """Finite floats as numbers; inf/nan as strings, which every JSON parser accepts."""
+    return float(value) if math.isfinite(value) else str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    layer: Optional[str]
+    tensors: tuple[str, ...]
+    rel_error: float  # local: what this layer adds, given the float model's inputs
+    max_abs_error: float  # local
+    cosine: float  # local
+    cumulative_rel_error: float  # at the layer's outputs in the plain rewritten run
+
+    @property
+    def label(self) -> str:
+        return self.layer if self.layer is not None else OUTSIDE
+
+    def to_json(self) -> dict:
+        return {
+            "layer": self.layer,
+            "tensors": list(self.tensors),
+            "rel_error": json_float(self.rel_error),
+            "max_abs_error": json_float(self.max_abs_error),
+            "cosine": json_float(self.cosine),
+            "cumulative_rel_error": json_float(self.cumulative_rel_error),
+        }
+
+
+
+def compare_layers(
+    input_path: pathlib.Path, output_path: pathlib.Path, key: str, batches: list[dict[str, np.ndarray]]
+) -> list[LayerStats]:
+    """Local and cumulative error of every layer of signature ``key``, largest local first."""
+    reference = savedmodel_io.load(input_path, [key])
+    index = layer_index.build(reference)
+    float_program = reference.signatures[key]
+    rewritten_program = savedmodel_io.load(output_path, [key]).signatures[key]
+    compared = _compared_tensors(float_program, rewritten_program.graph, index)
+    if not compared:
+        return []
+    float_fn = _function(float_program, {_fetch_key(i): _tensor_name(c.float_ref) for i, c in enumerate(compared)}, [])
+    rewritten_fetches = {_fetch_key(i): _tensor_name(c.rewritten_ref) for i, c in enumerate(compared)}
+    cumulative_fn = _function(rewritten_program, rewritten_fetches, [])
+    feeds = _cut_layer_boundaries(rewritten_program.graph, float_program, compared, index)
+    local_fn = _function(rewritten_program, rewritten_fetches, [f"{name}:0" for name in feeds])
+    feed_dtypes = [tf.dtypes.as_dtype(rewritten_program.graph.tensor_dtype(c.rewritten_ref)) for c in compared]
+    local = [ErrorAccumulator() for _ in compared]
+    cumulative = [ErrorAccumulator() for _ in compared]
+    names = _input_names(float_program)
+    for batch in batches:
+        args = [tf.constant(batch[name]) for name in names]
+        ref_values = _numpy(float_fn(*args))
+        cumulative_values = _numpy(cumulative_fn(*args))
+        fed = [tf.cast(tf.constant(ref_values[_fetch_key(i)]), dtype) for i, dtype in enumerate(feed_dtypes)]
+        local_values = _numpy(local_fn(*args, *fed))
+        for i in range(len(compared)):
+            fetched = _fetch_key(i)
+            local[i].add(ref_values[fetched], local_values[fetched])
+            cumulative[i].add(ref_values[fetched], cumulative_values[fetched])
+    return _per_layer(compared, local, cumulative)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compared:
+    """One layer output tensor, by its name in each graph."""
+
+    float_ref: TensorRef
+    rewritten_ref: TensorRef
+    layer: Optional[str]
+
+
+def layer_outputs(program: SignatureProgram, index: layer_index.LayerIndex) -> dict[TensorRef, Optional[str]]:
+    """Float tensors of the signature graph read by another layer or returned, -> their layer."""
+    graph = program.graph
+    returned = set(graph.outputs.values())
+    found: dict[TensorRef, Optional[str]] = {}
+    for node in graph.nodes.values():
+        if node.op in _SKIPPED_PRODUCERS:
+            continue
+        layer = index.layer_of(program.key, graph, node)
+        for position, dtype in enumerate(graph.output_dtypes(node)):
+            if dtype not in FLOAT_DTYPES:
+                continue
+            ref = TensorRef(node.name, position)
+            readers = [graph.nodes[name] for name, _ in graph.uses(ref)]
+            if ref in returned or any(index.layer_of(program.key, graph, r) != layer for r in readers):
+                found[ref] = layer
+    return found
+
+
+def name_prefix(float_names: list[str], rewritten: Graph) -> str:
+    """The scope the rewritten graph puts before the float graph's node names.
+
+    Saving wraps each rewritten signature in one more function call, so after
+    loading and inlining ``a/MatMul`` is ``StatefulPartitionedCall/a/MatMul``;
+    the prefix is found, not assumed: the one most float names have.
+    """
+    by_suffix: dict[str, list[str]] = {}
+    for name in rewritten.nodes:
+        parts = name.split("/")
+        for start in range(len(parts)):
+            by_suffix.setdefault("/".join(parts[start:]), []).append("".join(p + "/" for p in parts[:start]))
+    counts = collections.Counter(prefix for name in float_names for prefix in by_suffix.get(name, ()))
+    return counts.most_common(1)[0][0] if counts else ""
+
+
+def _compared_tensors(float_program: SignatureProgram, rewritten: Graph, index) -> list[_Compared]:
+    """Layer outputs of the float graph that the rewritten graph still has, as a float tensor."""
+    outputs = layer_outputs(float_program, index)
+    prefix = name_prefix([ref.node for ref in outputs], rewritten)
+    compared = []
+    for ref, layer in outputs.items():
+        node = rewritten.nodes.get(prefix + ref.node)
+        if node is None:
+            continue
+        dtypes = rewritten.output_dtypes(node)
+        if ref.index < len(dtypes) and dtypes[ref.index] in FLOAT_DTYPES:
+            compared.append(_Compared(ref, TensorRef(node.name, ref.index), layer))
+    logger.debug("comparing %d of %d layer output tensors (prefix %r)", len(compared), len(outputs), prefix)
+    return compared
+
+
+def _cut_layer_boundaries(
+    graph: Graph, float_program: SignatureProgram, compared: list[_Compared], index
+) -> list[str]:
+    """Give each compared tensor a placeholder that its readers in other layers read instead.
+
+    ``graph`` is the rewritten signature graph, loaded for this comparison only.
+    A reader the float graph lacks (a Cast the rewrite inserted) counts as
+    another layer's. Returns the placeholder names, in ``compared`` order.
+    """
+    float_graph = float_program.graph
+    prefix_length = len(compared[0].rewritten_ref.node) - len(compared[0].float_ref.node)
+    feeds = []
+    for item in compared:
+        dtype = graph.tensor_dtype(item.rewritten_ref)
+        placeholder = graph.add_node(
+            "Placeholder",
+            f"{FEED_PREFIX}/{item.float_ref.node}/{item.float_ref.index}",
+            [],
+            {
+                "dtype": attr_value_pb2.AttrValue(type=dtype),
+                "shape": attr_value_pb2.AttrValue(shape=tensor_shape_pb2.TensorShapeProto(unknown_rank=True)),
+            },
+        )
+        feeds.append(placeholder.name)
+        for reader_name, position in graph.uses(item.rewritten_ref):
+            float_reader = float_graph.nodes.get(reader_name[prefix_length:])
+            if float_reader is not None and index.layer_of(float_program.key, float_graph, float_reader) == item.layer:
+                continue
+            graph.replace_input(graph.nodes[reader_name], position, TensorRef(placeholder.name))
+    return feeds
+
+
+def _function(program: SignatureProgram, fetches: dict[str, str], extra_inputs: list[str]) -> Any:
+    """A callable graph: the signature's inputs (+ ``extra_inputs``) -> ``fetches``."""
+    graph_def = savedmodel_io.build_graph_def(program)
+    handles = {placeholder: capture.handle for placeholder, capture in program.captures.items()}
+    return wrap_function.function_from_graph_def(
+        graph_def, list(program.input_tensors) + extra_inputs, fetches, handles
+    )
+
+
+def _input_names(program: SignatureProgram) -> list[str]:
+    """Signature input names in the order of ``program.input_tensors`` (nest's flat order)."""
+    args, kwargs = program.function.structured_input_signature
+    return [spec.name for spec in tf.nest.flatten(args)] + sorted(kwargs or {})
+
+
+def _numpy(values: dict[str, tf.Tensor]) -> dict[str, np.ndarray]:
+    return {name: np.asarray(tf.cast(value, tf.float32).numpy()) for name, value in values.items()}
+
+
+def _tensor_name(ref: TensorRef) -> str:
+    return f"{ref.node}:{ref.index}"
+
+
+def _fetch_key(position: int) -> str:
+    return f"t{position:05d}"
+
+
+def _per_layer(compared: list[_Compared], local: list[ErrorAccumulator], cumulative: list[ErrorAccumulator]) -> list[LayerStats]:
+    grouped: dict[Optional[str], list[int]] = {}
+    for i, item in enumerate(compared):
+        grouped.setdefault(item.layer, []).append(i)
+    stats = []
+    for layer, positions in grouped.items():
+        local_total, cumulative_total = ErrorAccumulator(), ErrorAccumulator()
+        for i in positions:
+            local_total.merge(local[i])
+            cumulative_total.merge(cumulative[i])
+        stats.append(
+            LayerStats(
+                layer=layer,
+                tensors=tuple(str(compared[i].float_ref) for i in positions),
+                rel_error=local_total.rel_rms_error,
+                max_abs_error=local_total.max_abs_diff,
+                cosine=local_total.cosine,
+                cumulative_rel_error=cumulative_total.rel_rms_error,
+            )
+        )
+    return sorted(stats, key=lambda s: (-_sortable(s.rel_error), s.layer or ""))
+
+
+def _sortable(value: float) -> float:
+    return math.inf if math.isnan(value) else value

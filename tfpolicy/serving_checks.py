@@ -1,0 +1,227 @@
+"""Serving checks: will the rewritten SavedModel serve, and on which target?
+
+Run on every rewrite, on the staged output before it is renamed into place::
+
+    staged SavedModel --TF1 session loader, tag "serve"--> run every SignatureDef by tensor name
+                      --tf.saved_model.load--> each signature under tf.function(jit_compile=True)
+
+The first is what TF Serving does at load time; a failure there is a
+:class:`~tfpolicy.errors.ServingCheckError` and nothing is written. The second
+is what TPU serving needs: a signature XLA cannot compile is listed in the
+report with the ops it stumbled on, and is an error only for ``target="tpu"``.
+
+:func:`check_target` is the plan-level half of ``--target``: a TPU cannot run
+float16, float8 or float64, so a plan that uses them is refused before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import re
+import time
+from typing import Any, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfpolicy import inputs
+from tfpolicy.errors import ServingCheckError, TargetError
+from tfpolicy.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("gpu", "tpu", "cpu")
+SERVE_TAG = "serve"
+CHECK_BATCH = 2
+"""Batch size of the generated inputs the checks run on."""
+
+# dtype -> why a TPU refuses it. Keras policy names that produce each dtype are
+# listed in the message; bfloat16 is what TPUs compute in.
+_TPU_REFUSED = {
+    "float16": "TPUs have no float16 arithmetic",
+    "float64": "TPUs have no float64 arithmetic",
+    "float8": "TPUs have no float8 matrix units",
+}
+_UNSUPPORTED_OP = re.compile(r"(\w+) \(No registered '\w+' OpKernel for XLA_\w+ devices compatible with node \{\{node ([^}]+)\}\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SignatureCheck:
+    """The outcome of both checks for one signature."""
+
+    signature: str
+    tf1_ran: bool
+    xla_compiles: bool
+    xla_unsupported: tuple[str, ...] = ()  # "Op (node)" XLA has no kernel for
+    xla_error: str = ""  # first line of the compiler's message when it failed
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"xla_unsupported": list(self.xla_unsupported)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingChecks:
+    target: Optional[str]
+    signatures: tuple[SignatureCheck, ...]
+    tf1_seconds: float
+    xla_seconds: float
+
+    @property
+    def xla_failures(self) -> list[SignatureCheck]:
+        return [s for s in self.signatures if not s.xla_compiles]
+
+    def to_json(self) -> dict:
+        return {
+            "target": self.target,
+            "tf1_loader": all(s.tf1_ran for s in self.signatures),
+            "xla": all(s.xla_compiles for s in self.signatures),
+            "signatures": [s.to_json() for s in self.signatures],
+            "tf1_seconds": round(self.tf1_seconds, 3),
+            "xla_seconds": round(self.xla_seconds, 3),
+        }
+
+    def summary(self) -> str:
+        """One line: ``serving checks: TF1 loader ran 2 signatures by tensor name; XLA: ...``."""
+        xla = "; ".join(_xla_phrase(s) for s in self.signatures)
+        return (
+            f"serving checks ({self.tf1_seconds + self.xla_seconds:.1f}s): TF1 session loader ran "
+            f"{len(self.signatures)} signature(s) by tensor name; XLA (jit_compile): {xla}"
+        )
+
+
+def _xla_phrase(check: SignatureCheck) -> str:
+    if check.xla_compiles:
+        return f"{check.signature} compiles"
+    what = ", ".join(check.xla_unsupported) if check.xla_unsupported else check.xla_error
+    return f"{check.signature} does not compile ({what})"
+
+
+def check_target_name(target: Optional[str]) -> None:
+    if target is not None and target not in TARGETS:
+        raise TargetError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
+
+
+def check_target(plan: Plan, target: Optional[str]) -> None:
+    """Refuse a plan whose dtypes ``target`` cannot run (TPU: float16, float8, float64)."""
+    check_target_name(target)
+    if target != "tpu":
+        return
+    for dtype, reason in _TPU_REFUSED.items():
+        layers = [
+            layer for layer in plan.rows()
+            if (layer.op_count or layer.variable_count) and dtype in _dtypes_of(layer)
+        ]
+        if layers:
+            names = ", ".join(layer.path or "(outside every layer)" for layer in layers[:5])
+            more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
+            raise TargetError(
+                f"--target tpu: policy '{layers[0].policy}' (layers: {names}{more}) uses {dtype}, and {reason};"
+                " use bfloat16 instead (mixed_bfloat16 or bfloat16)"
+            )
+
+
+def _dtypes_of(layer: Any) -> set[str]:
+    found = {layer.compute_dtype, layer.variable_dtype}
+    if layer.quantization_mode and "float8" in layer.quantization_mode:
+        found.add("float8")
+    return found
+
+
+def run(saved_model_dir: pathlib.Path, *, target: Optional[str] = None, seed: int = 0) -> ServingChecks:
+    """Both checks on the SavedModel at ``saved_model_dir``.
+
+    Raises :class:`ServingCheckError` when the TF1 loader cannot load or run a
+    signature, and, for ``target="tpu"``, when a signature does not compile
+    under XLA.
+    """
+    check_target_name(target)
+    started = time.monotonic()
+    tf1 = run_tf1(saved_model_dir, seed=seed)
+    tf1_seconds = time.monotonic() - started
+    started = time.monotonic()
+    loaded = tf.saved_model.load(str(saved_model_dir))
+    xla = {key: compile_xla(saved_model_dir, key, fn, seed=seed) for key, fn in sorted(loaded.signatures.items())}
+    checks = ServingChecks(
+        target,
+        tuple(
+            SignatureCheck(key, key in tf1, *xla.get(key, (False, (), "signature not loaded by tf.saved_model.load")))
+            for key in sorted(set(tf1) | set(xla))
+        ),
+        tf1_seconds,
+        time.monotonic() - started,
+    )
+    for failed in checks.xla_failures:
+        message = f"signature '{failed.signature}' does not compile under XLA (jit_compile=True): " + (
+            ", ".join(failed.xla_unsupported) or failed.xla_error
+        )
+        if target == "tpu":
+            raise ServingCheckError(f"--target tpu: {message}; TPU serving needs every signature to compile")
+        logger.warning(message)
+    return checks
+
+
+def run_tf1(saved_model_dir: pathlib.Path, *, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
+    """Load with the TF1 session loader and run every SignatureDef by tensor name.
+
+    Returns signature key -> output key -> value. This is TF Serving's path:
+    ``LoadSavedModel`` with tag ``serve``, then ``Session::Run`` on the tensor
+    names the SignatureDef lists.
+    """
+    graph = tf.Graph()
+    results: dict[str, dict[str, np.ndarray]] = {}
+    try:
+        with tf.compat.v1.Session(graph=graph) as session:
+            meta_graph = tf.compat.v1.saved_model.loader.load(session, [SERVE_TAG], str(saved_model_dir))
+            for key in sorted(meta_graph.signature_def):
+                if key.startswith("__"):  # __saved_model_init_op
+                    continue
+                signature = meta_graph.signature_def[key]
+                specs = {name: _spec_of(info) for name, info in signature.inputs.items()}
+                feeds = inputs.generate_for_specs(specs, batch=CHECK_BATCH, seed=seed)
+                fetches = {name: info.name for name, info in signature.outputs.items()}
+                try:
+                    results[key] = session.run(fetches, {signature.inputs[n].name: v for n, v in feeds.items()})
+                except tf.errors.OpError as exc:
+                    raise ServingCheckError(
+                        f"the TF1 session loader (TF Serving's) cannot run signature '{key}' of"
+                        f" '{saved_model_dir}': {_first_line(exc.message)}"
+                    ) from exc
+    except (tf.errors.OpError, RuntimeError, ValueError, OSError) as exc:
+        raise ServingCheckError(
+            f"the TF1 session loader (TF Serving's) cannot load '{saved_model_dir}': {_first_line(str(exc))}"
+        ) from exc
+    return results
+
+
+def _spec_of(info: Any) -> tf.TensorSpec:
+    shape = tf.TensorShape(info.tensor_shape)
+    return tf.TensorSpec(shape, tf.dtypes.as_dtype(info.dtype))
+
+
+def compile_xla(
+    saved_model_dir: pathlib.Path, key: str, function: Any, *, seed: int = 0
+) -> tuple[bool, tuple[str, ...], str]:
+    """Run ``function`` once under ``tf.function(jit_compile=True)``.
+
+    Returns ``(compiles, unsupported ops as "Op (node)", first line of the error)``.
+    """
+    feeds = inputs.generate_inputs(function, batch=CHECK_BATCH, seed=seed)
+
+    def call(**kwargs: tf.Tensor) -> Any:
+        return function(**kwargs)
+
+    try:
+        tf.function(call, jit_compile=True)(**{name: tf.constant(value) for name, value in feeds.items()})
+    except (tf.errors.OpError, ValueError, TypeError) as exc:
+        message = getattr(exc, "message", str(exc))
+        unsupported = tuple(dict.fromkeys(f"{op} ({node})" for op, node in _UNSUPPORTED_OP.findall(message)))
+        logger.debug("XLA cannot compile %s of %s: %s", key, saved_model_dir, message)
+        return False, unsupported, _first_line(message)
+    return True, (), ""
+
+
+def _first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0] if text else "unknown error"
