@@ -25,6 +25,8 @@ from tfpolicy.plan import Plan
 from tfpolicy.plan import plan as make_plan
 from tfpolicy.policy_map import PolicyMap, PolicyMapSource
 from tfpolicy.report import Report, SignatureReport, quantization_rows
+from tfpolicy.serving_checks import check_target, check_target_name
+from tfpolicy.serving_checks import run as run_serving_checks
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +40,11 @@ def explain(
     *,
     signatures: Optional[Sequence[str]] = None,
     strict: bool = False,
+    target: Optional[str] = None,
 ) -> Report:
     """Everything :func:`rewrite` would do, without writing anything."""
-    return _run(pathlib.Path(input_dir), None, policy_map, signatures, strict).report
+    check_target_name(target)
+    return _run(pathlib.Path(input_dir), None, policy_map, signatures, strict, target).report
 
 
 def rewrite(
@@ -54,6 +58,8 @@ def rewrite(
     calibration_data: calibration.CalibrationSource = None,
     calibration_batches: Optional[int] = None,
     calibration_progress: Optional[Callable[[int], None]] = None,
+    target: Optional[str] = None,
+    serving_checks: bool = True,
 ) -> Report:
     """Write a copy of the SavedModel at ``input_dir`` with ``policy_map`` applied.
 
@@ -65,13 +71,20 @@ def rewrite(
     ``serving_default`` signature; at most ``calibration_batches`` batches are
     run, and ``calibration_progress(n)`` is called after each.
 
+    ``target`` ("gpu", "tpu", "cpu") refuses dtypes the target cannot run (a
+    TPU: float16, float8, float64). Unless ``serving_checks=False``, the saved
+    output is loaded with the TF1 session loader and every signature lowered
+    to XLA before it is renamed into place (see :mod:`tfpolicy.serving_checks`);
+    ``report.serving_checks`` holds the outcome.
+
     Raises a :class:`~tfpolicy.errors.TfPolicyError` for every user error,
     before anything is written. The input directory is never modified.
     """
     input_path, output_path = pathlib.Path(input_dir), pathlib.Path(output_dir)
+    check_target_name(target)
     savedmodel_io.check_input_dir(input_path)
     savedmodel_io.check_output_dir(input_path, output_path, overwrite)
-    state = _run(input_path, output_path, policy_map, signatures, strict)
+    state = _run(input_path, output_path, policy_map, signatures, strict, target)
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
     built = assemble.assemble(
         state.model, state.variable_dtypes, state.new_variables, state.new_captures, state.calibration
@@ -85,7 +98,14 @@ def rewrite(
     values = {name: variable.numpy() for name, variable in built.new_variables.items()}
     report.quantization = quantization_rows(state.qplan, state.quantized, values)
     logger.info("saving to %s", output_path)
-    savedmodel_io.save_atomically(built.root, built.signatures, output_path, overwrite)
+
+    def check(staged: pathlib.Path) -> None:
+        logger.info("serving checks: TF1 session loader, XLA compilation")
+        report.serving_checks = run_serving_checks(staged, target=target)
+
+    savedmodel_io.save_atomically(
+        built.root, built.signatures, output_path, overwrite, check=check if serving_checks else None
+    )
     report.output_bytes = _directory_bytes(output_path)
     logger.debug("wrote %s", output_path)
     return report
@@ -106,7 +126,7 @@ class _State:
     report: Report
 
 
-def _run(input_path, output_path, policy_map, signatures, strict) -> _State:
+def _run(input_path, output_path, policy_map, signatures, strict, target=None) -> _State:
     """Load, index, plan and run the passes."""
     policy = PolicyMap.load(policy_map)
     logger.info("loading %s", input_path)
@@ -115,6 +135,7 @@ def _run(input_path, output_path, policy_map, signatures, strict) -> _State:
     index = layer_index.build(model)
     outside = sum(1 for _ in index.nodes_of(None))
     the_plan = make_plan(policy, index, outside)
+    check_target(the_plan, target)
     _refuse_unsupported_modes(the_plan)
     qplan = quant_sites.analyze(model, index, the_plan)
     warnings = [f"policy map key '{key}' matches no layer" for key in the_plan.unused_keys]

@@ -58,9 +58,10 @@ class ValidationError(TfPolicyError):
     Not a usage error: the CLI prints the validation table and exits 1.
     """
 
-    def __init__(self, message: str, validation: object) -> None:
+    def __init__(self, message: str, validation: object, report: object = None) -> None:
         super().__init__(message)
         self.validation = validation
+        self.report = report
 
 
 class MissingDependencyError(TfPolicyError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Optional
+from typing import Any, Optional
 
 from tfpolicy.plan import LayerPlan, Plan
 from tfpolicy.quant_sites import QuantPlan
@@ -105,6 +105,8 @@ class Report:
     output_bytes: Optional[int] = None
     quantization: dict[str, QuantizedLayer] = dataclasses.field(default_factory=dict)
     calibration_batches: int = 0
+    serving_checks: Optional[Any] = None  # serving_checks.ServingChecks, when they ran
+    validation: Optional[Any] = None  # validation.ValidationReport, with --validate
 
     @property
     def casts_inserted(self) -> int:
@@ -160,6 +162,8 @@ class Report:
             "warnings": self.warnings,
             "input_bytes": self.input_bytes,
             "output_bytes": self.output_bytes,
+            "serving_checks": self.serving_checks.to_json() if self.serving_checks else None,
+            "validation": self.validation.to_json() if self.validation else None,
         }
 
     def write_json(self, path: pathlib.Path) -> None:

@@ -8,10 +8,13 @@ output dtypes.
 
     python -m tfpolicy.rewrite --map policy.json model/ model_bf16/
     python -m tfpolicy.rewrite --map policy.json --explain model/
-    python -m tfpolicy.rewrite --map fp8.json --calibration_data batches.npz model/ model_fp8/
+    python -m tfpolicy.rewrite --map policy.json --serving_base /models/net model/
+    python -m tfpolicy.rewrite --map policy.json --validate --max_error 0.05 model/ model_bf16/
 
-Any user error prints one line on stderr and exits with status 2; nothing is
-written then.
+Exit status: 0 on success; 2 for any user error, which prints one line on
+stderr and writes nothing; 1 when ``--validate`` measures an output error above
+``--max_error`` (the table is printed; a plain OUTPUT is kept for inspection, a
+``--serving_base`` version is not published).
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
+
+if TYPE_CHECKING:  # imported lazily at run time, after TensorFlow is quieted
+    from tfpolicy.report import Report
+    from tfpolicy.validation import ValidationReport
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("map", None, "Policy map JSON file: Keras's serialized DTypePolicyMap, or "
@@ -38,9 +45,25 @@ flags.DEFINE_string("calibration_data", None, "float8 calibration inputs: an .np
                     "serving_default signature's input names, batch first (strings as bytes arrays).")
 flags.DEFINE_integer("calibration_batches", None, "Run at most this many calibration batches.", lower_bound=1)
 flags.DEFINE_integer("calibration_batch_size", 32, "Rows of --calibration_data per calibration batch.", lower_bound=1)
+flags.DEFINE_string("serving_base", None, "Export for TF Serving: write the model to SERVING_BASE/<version>/, atomically,"
+                    " instead of OUTPUT (then only INPUT is given).")
+flags.DEFINE_integer("version", None, "With --serving_base: the version to write (default: one more than the highest"
+                     " existing version, 1 if none). An existing version is refused.")
+flags.DEFINE_string("warmup_data", None, "With --serving_base: an .npz of serving_default inputs; each row becomes one"
+                    " request in assets.extra/tf_serving_warmup_requests.")
+flags.DEFINE_bool("validate", False, "Run INPUT and the output on the same inputs and report per-output and per-layer error.")
+flags.DEFINE_string("validation_data", None, "With --validate: an .npz of inputs keyed by input name, batch first"
+                    " (default: the calibration data, else generated inputs).")
+flags.DEFINE_float("max_error", None, "With --validate: exit 1 when an output's max abs error exceeds this.")
+flags.DEFINE_string("report_html", None, "With --validate: also write an HTML page with the per-layer error chart.")
+flags.DEFINE_enum("target", None, ["gpu", "tpu", "cpu"], "Serving target. tpu refuses float16/float8 and requires"
+                  " every signature to compile under XLA.")
+flags.DEFINE_bool("serving_checks", True, "Before writing, load the output with the TF1 session loader and compile"
+                  " each signature under XLA (--noserving_checks skips both).")
 
 USAGE = "usage: python -m tfpolicy.rewrite --map MAP [flags] INPUT OUTPUT  (--helpshort for flags)"
 EXIT_USER_ERROR = 2
+EXIT_VALIDATION_FAILED = 1
 
 
 def _fail(message: str) -> None:
@@ -60,21 +83,44 @@ def _summary(message: str) -> None:
         print(f"tfpolicy: {message}", file=sys.stderr, flush=True)
 
 
-def _check_report_path() -> None:
-    if not FLAGS.report:
+def _check_report_path(path: str | None = None) -> None:
+    path = FLAGS.report if path is None else path
+    if not path:
         return
-    parent = os.path.dirname(os.path.abspath(FLAGS.report))
+    parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        _fail(f"cannot write report '{FLAGS.report}': directory '{parent}' does not exist")
-    if not os.access(parent, os.W_OK) or os.path.isdir(FLAGS.report):
-        _fail(f"cannot write report '{FLAGS.report}': not a writable file location")
+        _fail(f"cannot write report '{path}': directory '{parent}' does not exist")
+    if not os.access(parent, os.W_OK) or os.path.isdir(path):
+        _fail(f"cannot write report '{path}': not a writable file location")
+
+
+def _check_flag_combinations(positional: list[str]) -> None:
+    """Flags that need another flag, or exclude one; all before TensorFlow starts."""
+    needs = [("max_error", "validate"), ("validation_data", "validate"), ("report_html", "validate"),
+             ("version", "serving_base"), ("warmup_data", "serving_base")]
+    for flag, required in needs:
+        if FLAGS[flag].present and not FLAGS[required].value:
+            _fail(f"--{flag} needs --{required}")
+    if FLAGS.max_error is not None and not FLAGS.max_error >= 0:
+        _fail(f"--max_error must be a non-negative number, got {FLAGS.max_error}")
+    if FLAGS.explain and (FLAGS.validate or FLAGS.serving_base):
+        _fail("--explain writes nothing, so it cannot be combined with --validate or --serving_base")
+    if FLAGS.serving_base is not None:
+        if FLAGS.overwrite:
+            _fail("--overwrite does not apply to --serving_base: a version is never replaced; omit --version for the next one")
+        if FLAGS.version is not None and FLAGS.version < 0:
+            _fail(f"--version must be a non-negative integer, got {FLAGS.version}")
+        if len(positional) != 1:
+            _fail(f"with --serving_base give only INPUT, got {len(positional)} argument(s); {USAGE}")
+    _check_report_path(FLAGS.report_html)
 
 
 def main(argv: Sequence[str]) -> None:
     positional = list(argv[1:])
     if FLAGS.map is None:
         _fail(f"--map is required; {USAGE}")
-    wanted = 1 if FLAGS.explain else 2
+    _check_flag_combinations(positional)
+    wanted = 1 if FLAGS.explain or FLAGS.serving_base else 2
     if len(positional) != wanted and not (FLAGS.explain and len(positional) == 2):
         _fail(f"expected {'INPUT [OUTPUT]' if FLAGS.explain else 'INPUT OUTPUT'}, got {len(positional)} argument(s); {USAGE}")
     _check_report_path()
@@ -84,37 +130,111 @@ def main(argv: Sequence[str]) -> None:
     _show_progress()
 
     started = time.monotonic()
+    validation = None
     try:
         if FLAGS.explain:
-            report = tfpolicy.explain(positional[0], FLAGS.map, signatures=FLAGS.signatures, strict=FLAGS.strict)
+            report = tfpolicy.explain(positional[0], FLAGS.map, signatures=FLAGS.signatures, strict=FLAGS.strict,
+                                      target=FLAGS.target)
             print(report.format_table())
         else:
-            _progress(f"rewriting {positional[0]} -> {positional[1]}")
-            batches, progress = _calibration_batches()
-            report = tfpolicy.rewrite(
-                positional[0], positional[1], FLAGS.map,
-                signatures=FLAGS.signatures, overwrite=FLAGS.overwrite, strict=FLAGS.strict,
-                calibration_data=batches, calibration_batches=FLAGS.calibration_batches,
-                calibration_progress=progress,
-            )
-            _summary(
-                f"wrote {positional[1]} in {time.monotonic() - started:.1f}s: "
-                f"{sum(s.ops_retyped for s in report.signatures)} ops retyped, "
-                f"{report.casts_inserted} casts inserted, {report.casts_reused} reused, "
-                f"{len(report.variables_converted)} variables converted, "
-                f"{sum(q.ops_quantized for q in report.quantization.values())} ops quantized"
-                f"{f' ({report.calibration_batches} calibration batches)' if report.calibration_batches else ''}; "
-                f"{report.input_bytes / 1e6:.2f} MB -> {report.output_bytes / 1e6:.2f} MB"
-            )
-        if FLAGS.report:
-            import pathlib  # noqa: PLC0415
+            data = FLAGS.validation_data or FLAGS.calibration_data
+            if FLAGS.validate and data is not None:
+                from tfpolicy import validation as validation_module  # noqa: PLC0415
 
-            try:
-                report.write_json(pathlib.Path(FLAGS.report))
-            except OSError as exc:
-                _fail(f"cannot write report '{FLAGS.report}': {exc.strerror}")
+                validation_module.check_data(positional[0], data, signatures=FLAGS.signatures)
+            if FLAGS.serving_base:
+                report, validation = _export(positional[0], started)
+            else:
+                report = _rewrite(positional[0], positional[1], started)
+                if FLAGS.validate:
+                    _progress("validating")
+                    validation = tfpolicy.validate(positional[0], positional[1], data=data,
+                                                   signatures=FLAGS.signatures, max_error=FLAGS.max_error)
+                    report.validation = validation
+        _write_reports(report, validation)
+    except tfpolicy.ValidationError as exc:
+        validation = exc.validation
+        if exc.report is not None:
+            exc.report.validation = validation
+        _write_reports(exc.report, validation)
+        _fail_validation(validation)
     except tfpolicy.TfPolicyError as exc:
         _fail(str(exc))
+    if validation is not None and not validation.passed:
+        _fail_validation(validation)
+
+
+def _rewrite(input_dir: str, output_dir: str, started: float) -> Report:
+    import tfpolicy  # noqa: PLC0415
+
+    _progress(f"rewriting {input_dir} -> {output_dir}")
+    batches, progress = _calibration_batches()
+    report = tfpolicy.rewrite(
+        input_dir, output_dir, FLAGS.map,
+        signatures=FLAGS.signatures, overwrite=FLAGS.overwrite, strict=FLAGS.strict,
+        calibration_data=batches, calibration_batches=FLAGS.calibration_batches,
+        calibration_progress=progress, target=FLAGS.target, serving_checks=FLAGS.serving_checks,
+    )
+    _summary(f"wrote {output_dir} in {time.monotonic() - started:.1f}s: " + _counts(report))
+    if report.serving_checks is not None:
+        _summary(report.serving_checks.summary())
+    return report
+
+
+def _export(input_dir: str, started: float) -> tuple[Report, Optional[ValidationReport]]:
+    from tfpolicy import serving  # noqa: PLC0415
+
+    _progress(f"exporting {input_dir} -> {FLAGS.serving_base}/<version>")
+    batches, _ = _calibration_batches()
+    result = serving.export_with_report(
+        input_dir, FLAGS.serving_base, FLAGS.map, version=FLAGS.version, calibration_data=batches,
+        calibration_batches=FLAGS.calibration_batches,
+        warmup_examples=FLAGS.warmup_data, signatures=FLAGS.signatures, strict=FLAGS.strict, target=FLAGS.target,
+        serving_checks=FLAGS.serving_checks, validate=FLAGS.validate, validation_data=FLAGS.validation_data,
+        max_error=FLAGS.max_error,
+    )
+    warmup = f", {result.warmup_records} warmup requests" if result.warmup_records else ""
+    _summary(f"exported version {result.version} to {result.path} in {time.monotonic() - started:.1f}s{warmup}: "
+             + _counts(result.report))
+    if result.report.serving_checks is not None:
+        _summary(result.report.serving_checks.summary())
+    result.report.validation = result.validation
+    return result.report, result.validation
+
+
+def _counts(report: Report) -> str:
+    return (
+        f"{sum(s.ops_retyped for s in report.signatures)} ops retyped, "
+        f"{report.casts_inserted} casts inserted, {report.casts_reused} reused, "
+        f"{len(report.variables_converted)} variables converted, "
+        f"{sum(q.ops_quantized for q in report.quantization.values())} ops quantized"
+        f"{f' ({report.calibration_batches} calibration batches)' if report.calibration_batches else ''}; "
+        f"{report.input_bytes / 1e6:.2f} MB -> {(report.output_bytes or 0) / 1e6:.2f} MB"
+    )
+
+
+def _write_reports(report: Optional[Report], validation: Optional[ValidationReport]) -> None:
+    import pathlib  # noqa: PLC0415
+
+    if validation is not None:
+        print(validation.format_table(), flush=True)
+    from tfpolicy import html_report  # noqa: PLC0415
+
+    writers = []
+    if FLAGS.report and report is not None:
+        writers.append((FLAGS.report, report.write_json))
+    if FLAGS.report_html and validation is not None:
+        writers.append((FLAGS.report_html, lambda path: html_report.write(path, validation, report)))
+    for path, write in writers:
+        try:
+            write(pathlib.Path(path))
+        except OSError as exc:
+            _fail(f"cannot write report '{path}': {exc.strerror}")
+
+
+def _fail_validation(validation: ValidationReport) -> None:
+    print(f"tfpolicy: {validation.failure_line()}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_VALIDATION_FAILED)
 
 
 def _calibration_batches():

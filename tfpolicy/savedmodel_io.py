@@ -26,7 +26,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
@@ -337,12 +337,19 @@ def save_atomically(
     signatures: dict[str, object],
     output_dir: pathlib.Path,
     overwrite: bool,
+    check: Optional[Callable[[pathlib.Path], None]] = None,
 ) -> None:
-    """Save into a temporary directory beside ``output_dir`` and rename it into place."""
+    """Save into a temporary directory beside ``output_dir`` and rename it into place.
+
+    ``check(staged_dir)``, when given, runs on the saved copy before the rename;
+    if it raises, nothing is left behind.
+    """
     parent = output_dir.resolve().parent
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tfpolicy-tmp-", dir=parent))
     try:
         tf.saved_model.save(root, str(tmp), signatures=signatures)
+        if check is not None:
+            check(tmp)
         if output_dir.exists():
             if not overwrite:
                 raise OutputError(f"output '{output_dir}' already exists; pass --overwrite to replace it")

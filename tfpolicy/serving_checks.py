@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.util import deprecation
 
 from tfpolicy import inputs
 from tfpolicy.errors import ServingCheckError, TargetError
@@ -172,7 +173,7 @@ def run_tf1(saved_model_dir: pathlib.Path, *, seed: int = 0) -> dict[str, dict[s
     graph = tf.Graph()
     results: dict[str, dict[str, np.ndarray]] = {}
     try:
-        with tf.compat.v1.Session(graph=graph) as session:
+        with tf.compat.v1.Session(graph=graph) as session, deprecation.silence():
             meta_graph = tf.compat.v1.saved_model.loader.load(session, [SERVE_TAG], str(saved_model_dir))
             for key in sorted(meta_graph.signature_def):
                 if key.startswith("__"):  # __saved_model_init_op

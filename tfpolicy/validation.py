@@ -196,6 +196,24 @@ def validate(
     )
 
 
+def check_data(
+    input_dir: PathLike,
+    data: inputs.InputSource,
+    *,
+    signatures: Optional[Sequence[str]] = None,
+    what: str = "validation data",
+) -> None:
+    """Raise :class:`InputDataError` now if ``data`` cannot validate ``input_dir``.
+
+    The CLI calls this before it writes anything, so that a bad validation file
+    is a user error with nothing written.
+    """
+    model = tf.saved_model.load(str(pathlib.Path(input_dir)))
+    keys = sorted(signatures) if signatures else sorted(model.signatures.keys())
+    batches = inputs.batches_from(data, what=what, batch_size=VALIDATION_BATCH, max_batches=MAX_BATCHES)
+    _inputs_per_signature(keys, model, batches, what, seed=0)
+
+
 def _inputs_per_signature(keys, model, batches, what, seed) -> dict[str, tuple[str, list[dict[str, np.ndarray]]]]:
     runs = {}
     names = set(batches[0]) if batches else None
