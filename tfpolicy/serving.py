@@ -198,7 +198,7 @@ def _check_base(input_path: pathlib.Path, base: pathlib.Path) -> None:
 def _warmup_batches(examples: inputs.InputSource) -> list[dict[str, np.ndarray]]:
     _serving_protos()  # fail early, before anything is written, if the extra is missing
     batches = inputs.batches_from(
-        examples, what=_describe(examples), batch_size=1, max_batches=MAX_WARMUP_RECORDS + 1
+        examples, what="warmup examples", batch_size=1, max_batches=MAX_WARMUP_RECORDS + 1
     )
     if len(batches) > MAX_WARMUP_RECORDS:
         raise InputDataError(
