@@ -34,9 +34,9 @@ from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 from tensorflow.python.eager import wrap_function
 
 from tfpolicy import layer_index, savedmodel_io
-from tfpolicy.graph import Graph
+from tfpolicy.graph import Graph, Node
 from tfpolicy.savedmodel_io import SignatureProgram
-from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef
+from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef, parse_input
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ def compare_layers(
     index = layer_index.build(reference)
     float_program = reference.signatures[key]
     rewritten_program = savedmodel_io.load(output_path, [key]).signatures[key]
+    inline_calls(rewritten_program)
     compared = _compared_tensors(float_program, rewritten_program.graph, index)
     if not compared:
         return []
@@ -205,6 +206,51 @@ def layer_outputs(program: SignatureProgram, index: layer_index.LayerIndex) -> d
             if ref in returned or any(index.layer_of(program.key, graph, r) != layer for r in readers):
                 found[ref] = layer
     return found
+
+
+def inline_calls(program: SignatureProgram, depth: int = 3) -> None:
+    """Inline the function calls grappler left in the signature graph, in place.
+
+    Grappler declines to inline a body whose stateful ops (a table lookup) are
+    not reachable from its control source; the comparison still needs the
+    body's tensors at top level. A body node ``n`` of call ``c`` becomes
+    ``c/n``, as grappler would name it; the call node stays, unread, and is
+    pruned away when a function is built from the graph.
+
+        c = StatefulPartitionedCall(x, table) {f: body}   y = Identity(c)
+          -->  c/lookup = LookupTableFindV2(table, x) ...   y = Identity(c/out)
+    """
+    graph = program.graph
+    for _ in range(depth):
+        calls = [
+            n for n in graph.nodes.values()
+            if n.op in ("StatefulPartitionedCall", "PartitionedCall") and n.attrs["f"].func.name in program.functions
+        ]
+        if not calls:
+            return
+        for call in calls:
+            _inline_call(graph, call, program.functions[call.attrs["f"].func.name])
+
+
+def _inline_call(graph: Graph, call: Node, body: Graph) -> None:
+    prefix = call.name + "/"
+    arguments = [text for text in call.inputs if not text.startswith("^")]
+    sources = {n.name: arguments[n.attrs["index"].i] for n in body.nodes.values() if n.op == "_Arg"}
+
+    def remap(text: str) -> str:
+        ref, control = parse_input(text)
+        if ref is None:
+            source = sources.get(control)
+            return "^" + (parse_input(source)[0].node if source is not None else prefix + control)
+        if ref.node in sources:
+            return sources[ref.node]
+        return str(TensorRef(prefix + ref.node, ref.index))
+
+    for node in body.nodes.values():
+        if node.op != "_Arg":
+            graph.add_node(node.op, prefix + node.name, [remap(t) for t in node.inputs], node.attrs, node.device)
+    for position, ref in enumerate(body.outputs.values()):
+        graph.replace_all_uses_with(TensorRef(call.name, position), parse_input(remap(str(ref)))[0])
 
 
 def name_prefix(float_names: list[str], rewritten: Graph) -> str:
