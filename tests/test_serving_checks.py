@@ -1,0 +1,107 @@
+"""Serving checks run by every rewrite, and ``--target``.
+
+TF1 session loader + run by tensor name, XLA compilation of every signature,
+and the TPU target's refusals, on real zoo models.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+import tfpolicy
+from tfpolicy import serving_checks
+from tfpolicy.errors import ServingCheckError, TargetError
+from test_cli import describe, run_cli, tree_digest
+
+BF16 = {"default_policy": "mixed_bfloat16"}
+
+
+def test_rewrite_runs_both_checks_and_reports_them(zoo, tmp_path):
+    report = tfpolicy.rewrite(zoo.get("tf_module").saved_model_dir, tmp_path / "out", BF16)
+    checks = report.serving_checks
+    assert checks is not None and checks.target is None
+    assert [(s.signature, s.tf1_ran, s.xla_compiles) for s in checks.signatures] == [
+        ("decode", True, True),
+        ("serving_default", True, True),
+    ]
+    document = json.loads(json.dumps(report.to_json()))["serving_checks"]
+    assert document["tf1_loader"] is True and document["xla"] is True and document["tf1_seconds"] >= 0
+    assert "TF1 session loader ran 2 signature(s)" in checks.summary()
+
+
+def test_noserving_checks_skips_them(zoo, tmp_path):
+    report = tfpolicy.rewrite(zoo.get("keras3_mlp").saved_model_dir, tmp_path / "out", BF16, serving_checks=False)
+    assert report.serving_checks is None and report.to_json()["serving_checks"] is None
+
+
+def test_xla_failure_names_the_op_and_is_only_listed_without_a_tpu_target(zoo, tmp_path):
+    model = zoo.get("keras3_string_lookup")  # a string input: no XLA kernel for a string _Arg
+    report = tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", BF16, target="gpu")
+    failures = report.serving_checks.xla_failures
+    assert {f.signature for f in failures} == {"serve", "serving_default"}
+    assert all(f.tf1_ran and f.xla_unsupported == ("_Arg (words)",) for f in failures), failures
+    assert "does not compile (_Arg (words))" in report.serving_checks.summary()
+    with pytest.raises(ServingCheckError) as raised:
+        tfpolicy.rewrite(model.saved_model_dir, tmp_path / "tpu", BF16, target="tpu")
+    assert "--target tpu" in str(raised.value) and "_Arg (words)" in str(raised.value)
+    assert "\n" not in str(raised.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing written, no temporary left
+
+
+@pytest.mark.parametrize(
+    "policy, dtype",
+    [("mixed_float16", "float16"), ("float16", "float16"), ("float8_from_mixed_bfloat16", "float8"), ("float64", "float64")],
+)
+def test_tpu_target_refuses_dtypes_tpus_lack_with_one_line(zoo, tmp_path, policy, dtype):
+    with pytest.raises(TargetError) as raised:
+        tfpolicy.rewrite(zoo.get("keras3_mlp").saved_model_dir, tmp_path / "out", {"policy_map": {"head": policy}}, target="tpu")
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("--target tpu: ")
+    assert f"'{policy}'" in message and "head" in message and dtype in message and "bfloat16" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tpu_target_accepts_bfloat16_and_explain_checks_the_target_too(zoo, tmp_path):
+    model = zoo.get("keras3_mlp")
+    report = tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", BF16, target="tpu")
+    assert report.serving_checks.target == "tpu" and not report.serving_checks.xla_failures
+    with pytest.raises(TargetError, match="float16"):
+        tfpolicy.explain(model.saved_model_dir, {"default_policy": "mixed_float16"}, target="tpu")
+    with pytest.raises(TargetError, match="unknown target 'npu'"):
+        tfpolicy.rewrite(model.saved_model_dir, tmp_path / "other", BF16, target="npu")
+
+
+def test_tf1_check_fails_on_a_model_whose_variables_are_damaged(zoo, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(zoo.get("keras3_mlp").saved_model_dir, damaged)
+    (damaged / "variables" / "variables.data-00000-of-00001").write_bytes(b"\0" * 8)
+    with pytest.raises(ServingCheckError, match="TF1 session loader .* cannot load"):
+        serving_checks.run_tf1(damaged)
+
+
+def test_cli_target_tpu_with_float8_fails_with_one_clear_line(zoo, tmp_path):
+    (tmp_path / "map.json").write_text('{"default_policy": "mixed_bfloat16", "policy_map": {"head": "float8_from_mixed_bfloat16"}}')
+    before = tree_digest(tmp_path)
+    result = run_cli(["--map", "map.json", "--target", "tpu", str(zoo.get("keras3_mlp").saved_model_dir), "out"], tmp_path)
+    assert result.returncode == 2, describe(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, describe(result)
+    assert lines[0].startswith("tfpolicy: error: --target tpu: policy 'float8_from_mixed_bfloat16' (layers: head) uses float8")
+    assert "use bfloat16" in lines[0]
+    assert tree_digest(tmp_path) == before
+
+
+def test_cli_unknown_target_is_a_flag_error(zoo, tmp_path):
+    (tmp_path / "map.json").write_text('{"default_policy": "mixed_bfloat16"}')
+    result = run_cli(["--map", "map.json", "--target", "npu", str(zoo.get("keras3_mlp").saved_model_dir), "out"], tmp_path)
+    assert result.returncode == 2 and "npu" in result.stderr and not (tmp_path / "out").exists(), describe(result)
+
+
+def test_timing_is_recorded_per_check(zoo, tmp_path):
+    checks = serving_checks.run(pathlib.Path(zoo.get("keras3_transformer").saved_model_dir))
+    assert checks.tf1_seconds > 0 and checks.xla_seconds > 0
+    assert all(s.xla_compiles for s in checks.signatures)
