@@ -269,7 +269,9 @@ def name_prefix(float_names: list[str], rewritten: Graph) -> str:
     return counts.most_common(1)[0][0] if counts else ""
 
 
-def _compared_tensors(float_program: SignatureProgram, rewritten: Graph, index) -> list[_Compared]:
+def _compared_tensors(
+    float_program: SignatureProgram, rewritten: Graph, index: layer_index.LayerIndex
+) -> list[_Compared]:
     """Layer outputs of the float graph that the rewritten graph still has, as a float tensor."""
     outputs = layer_outputs(float_program, index)
     prefix = name_prefix([ref.node for ref in outputs], rewritten)
@@ -286,7 +288,7 @@ def _compared_tensors(float_program: SignatureProgram, rewritten: Graph, index) 
 
 
 def _cut_layer_boundaries(
-    graph: Graph, float_program: SignatureProgram, compared: list[_Compared], index
+    graph: Graph, float_program: SignatureProgram, compared: list[_Compared], index: layer_index.LayerIndex
 ) -> list[str]:
     """Give each compared tensor a placeholder that its readers in other layers read instead.
 

@@ -7,7 +7,8 @@ Run on every rewrite, on the staged output before it is renamed into place::
 
 The first is what TF Serving does at load time; a failure there is a
 :class:`~tfpolicy.errors.ServingCheckError` and nothing is written. The second
-is what TPU serving needs: a signature XLA cannot compile is listed in the
+is what TPU serving needs: each signature is lowered to XLA HLO the way
+``jit_compile=True`` lowers it, and a signature XLA cannot compile is listed in the
 report with the ops it stumbled on, and is an error only for ``target="tpu"``.
 
 :func:`check_target` is the plan-level half of ``--target``: a TPU cannot run
@@ -204,9 +205,12 @@ def _spec_of(info: Any) -> tf.TensorSpec:
 def compile_xla(
     saved_model_dir: pathlib.Path, key: str, function: Any, *, seed: int = 0
 ) -> tuple[bool, tuple[str, ...], str]:
-    """Run ``function`` once under ``tf.function(jit_compile=True)``.
+    """Lower ``function`` to XLA HLO as ``tf.function(jit_compile=True)`` does.
 
-    Returns ``(compiles, unsupported ops as "Op (node)", first line of the error)``.
+    This is tf2xla's step, where an op without an XLA kernel fails; the
+    backend's code generation (this machine's CPU, not the serving GPU or TPU)
+    is not run, which keeps the check cheap for big models. Returns
+    ``(compiles, unsupported ops as "Op (node)", first line of the error)``.
     """
     feeds = inputs.generate_inputs(function, batch=CHECK_BATCH, seed=seed)
 
@@ -214,7 +218,8 @@ def compile_xla(
         return function(**kwargs)
 
     try:
-        tf.function(call, jit_compile=True)(**{name: tf.constant(value) for name, value in feeds.items()})
+        tensors = {name: tf.constant(value) for name, value in feeds.items()}
+        tf.function(call, jit_compile=True).experimental_get_compiler_ir(**tensors)(stage="hlo")
     except (tf.errors.OpError, ValueError, TypeError) as exc:
         message = getattr(exc, "message", str(exc))
         unsupported = tuple(dict.fromkeys(f"{op} ({node})" for op, node in _UNSUPPORTED_OP.findall(message)))

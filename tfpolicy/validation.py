@@ -214,7 +214,10 @@ def check_data(
     _inputs_per_signature(keys, model, batches, what, seed=0)
 
 
-def _inputs_per_signature(keys, model, batches, what, seed) -> dict[str, tuple[str, list[dict[str, np.ndarray]]]]:
+def _inputs_per_signature(
+    keys: Sequence[str], model: Any, batches: Optional[list[dict[str, np.ndarray]]], what: str, seed: int
+) -> dict[str, tuple[str, list[dict[str, np.ndarray]]]]:
+    """Signature -> (where its inputs come from, its batches)."""
     runs = {}
     names = set(batches[0]) if batches else None
     for key in keys:
