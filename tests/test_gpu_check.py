@@ -14,7 +14,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from test_cli import REPO_ROOT
+from cli_helpers import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "tools" / "gpu_check.py"
 

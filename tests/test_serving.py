@@ -23,7 +23,7 @@ from tensorflow_serving.apis import prediction_log_pb2
 
 from tfpolicy import serving
 from tfpolicy.errors import InputDataError, OutputError
-from test_cli import REPO_ROOT, describe, leftovers, run_cli, tree_digest
+from cli_helpers import REPO_ROOT, describe, leftovers, run_cli, tree_digest
 
 MAP = {"default_policy": "mixed_bfloat16", "policy_map": {"head": "float32"}}
 WARMUP_ROWS = 3

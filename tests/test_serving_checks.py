@@ -15,7 +15,7 @@ import pytest
 import tfpolicy
 from tfpolicy import serving_checks
 from tfpolicy.errors import ServingCheckError, TargetError
-from test_cli import describe, run_cli, tree_digest
+from cli_helpers import describe, run_cli, tree_digest
 
 BF16 = {"default_policy": "mixed_bfloat16"}
 

@@ -19,7 +19,7 @@ import pytest
 import tfpolicy
 from tfpolicy import html_report
 from tfpolicy.errors import InputDataError
-from test_cli import describe, run_cli, tree_digest
+from cli_helpers import describe, run_cli, tree_digest
 
 QUANTIZATION_AVAILABLE = importlib.util.find_spec("tfpolicy.passes.quantize") is not None
 needs_quantization = pytest.mark.skipif(

@@ -19,8 +19,8 @@ call ``__cublas$lt$matmul$f8``): XLA's GEMM rewriter turns a dot whose operands
 are dequantized float8 into one on GPUs that have FP8 tensor cores (compute
 capability 8.9 and later: Ada, Hopper, Blackwell).
 
-A variant tfpolicy cannot produce yet (float8 before the quantization pass
-exists) is reported as skipped. Without a GPU the script stops with advice,
+A variant tfpolicy refuses (a policy this version cannot apply) is reported as
+skipped, one XLA cannot run as failed; neither stops the others. Without a GPU the script stops with advice,
 unless ``--allow_cpu`` (used by the test suite with ``--smoke``).
 
 Exit status: 0; 1 with ``--require_fp8`` when the float8 variant ran without
