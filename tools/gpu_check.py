@@ -20,8 +20,9 @@ are dequantized float8 into one on GPUs that have FP8 tensor cores (compute
 capability 8.9 and later: Ada, Hopper, Blackwell).
 
 A variant tfpolicy refuses (a policy this version cannot apply) is reported as
-skipped, one XLA cannot run as failed; neither stops the others. Without a GPU the script stops with advice,
-unless ``--allow_cpu`` (used by the test suite with ``--smoke``).
+skipped, one XLA cannot run as failed; neither stops the others. Without a GPU
+the script stops with advice, unless ``--allow_cpu`` (used by the test suite
+with ``--smoke``).
 
 Exit status: 0; 1 with ``--require_fp8`` when the float8 variant ran without
 any FP8 GEMM; 2 when no GPU is visible (and ``--allow_cpu`` was not given).
@@ -190,11 +191,13 @@ def _short(note: str, limit: int = 90) -> str:
     return note if len(note) <= limit else note[: limit - 3] + "..."
 
 
-def verdict(rows: dict[str, dict]) -> tuple[str, bool]:
+def verdict(rows: dict[str, dict], device: str = "/GPU:0") -> tuple[str, bool]:
     """(one line about FP8 GEMMs, whether the float8 variant got any)."""
     row = rows.get("float8", {})
     if "examples_per_s" not in row:
         return f"float8: not run ({row.get('note', 'unknown')})", False
+    if device.startswith("/CPU"):
+        return "float8: ran on the CPU, where XLA has no FP8 GEMM; run this on a GPU with compute capability 8.9+", False
     n = row["gemm_calls"][FP8_GEMM]
     if n:
         return f"float8: XLA turned {n} dot(s) into FP8 GEMMs ({FP8_GEMM})", True
@@ -237,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if "hlo" in row:
                     (args.dump_hlo / f"{name}.optimized_hlo.txt").write_text(row["hlo"])
     print(format_table(rows))
-    line, has_fp8 = verdict(rows)
+    line, has_fp8 = verdict(rows, device)
     print(line)
     if args.json:
         clean = {name: {k: v for k, v in row.items() if k != "hlo"} for name, row in rows.items()}
