@@ -369,7 +369,7 @@ def test_bad_calibration_batches_are_input_errors(zoo, tmp_path):
     policy_map = {"policy_map": {"dense": FLOAT8}}
     with pytest.raises(tfpolicy.InputDataError, match="features"):
         tfpolicy.rewrite(saved_model, tmp_path / "a", policy_map, calibration_data=[{"wrong": np.zeros((2, 16))}])
-    with pytest.raises(tfpolicy.InputDataError, match="no batch"):
+    with pytest.raises(tfpolicy.InputDataError, match="no examples"):
         tfpolicy.rewrite(saved_model, tmp_path / "b", policy_map, calibration_data=[])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 

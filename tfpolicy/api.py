@@ -13,11 +13,10 @@ import os
 import pathlib
 from typing import Callable, Optional, Sequence, Union
 
-import numpy as np
 import tensorflow as tf
 
-from tfpolicy import assemble, calibration, layer_index, quant_sites, savedmodel_io, tf_names
-from tfpolicy.errors import InputDataError, StrictModeError, UnsupportedPolicyError
+from tfpolicy import assemble, calibration, inputs, layer_index, quant_sites, savedmodel_io, tf_names
+from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import PassResult, run_passes
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
 from tfpolicy.passes.quantize import NewVariable, QuantizePass, build_variables
@@ -55,9 +54,10 @@ def rewrite(
     signatures: Optional[Sequence[str]] = None,
     overwrite: bool = False,
     strict: bool = False,
-    calibration_data: calibration.CalibrationSource = None,
+    calibration_data: inputs.InputSource = None,
     calibration_batches: Optional[int] = None,
-    calibration_progress: Optional[Callable[[int], None]] = None,
+    calibration_batch_size: int = 32,
+    calibration_progress: Optional[Callable[[int, int], None]] = None,
     target: Optional[str] = None,
     serving_checks: bool = True,
 ) -> Report:
@@ -66,10 +66,11 @@ def rewrite(
     ``policy_map`` is a JSON file path, a dict in either accepted form, a
     ``keras.dtype_policies.DTypePolicyMap`` or a :class:`PolicyMap`.
 
-    ``calibration_data`` (float8 policies) is an ``.npz`` path, an iterable of
-    ``{input name: batch}`` dicts or a ``tf.data.Dataset`` for the
+    ``calibration_data`` (float8 policies) is an ``.npz`` path (cut into
+    batches of ``calibration_batch_size`` rows), one dict of arrays, an iterable
+    of ``{input name: batch}`` dicts or a ``tf.data.Dataset``, for the
     ``serving_default`` signature; at most ``calibration_batches`` batches are
-    run, and ``calibration_progress(n)`` is called after each.
+    run, and ``calibration_progress(done, total)`` is called after each.
 
     ``target`` ("gpu", "tpu", "cpu") refuses dtypes the target cannot run (a
     TPU: float16, float8, float64). Unless ``serving_checks=False``, the saved
@@ -84,6 +85,7 @@ def rewrite(
     check_target_name(target)
     savedmodel_io.check_input_dir(input_path)
     savedmodel_io.check_output_dir(input_path, output_path, overwrite)
+    batches = _calibration_batches(calibration_data, calibration_batch_size, calibration_batches)
     state = _run(input_path, output_path, policy_map, signatures, strict, target)
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
     built = assemble.assemble(
@@ -91,7 +93,7 @@ def rewrite(
     )
     report = state.report
     if state.qplan.float8_groups:
-        _calibrate(built, state, report, calibration_data, calibration_batches, calibration_progress)
+        _calibrate(built, state, report, batches, calibration_progress)
     elif calibration_data is not None:
         report.warnings.append("calibration data given but no layer is float8; it was not used")
         logger.warning(report.warnings[-1])
@@ -237,60 +239,31 @@ def _calibration_signature(model, qplan: quant_sites.QuantPlan) -> Optional[str]
     return CALIBRATION_SIGNATURE if CALIBRATION_SIGNATURE in keys else (min(keys) if keys else None)
 
 
-def _calibrate(built, state: _State, report: Report, data, max_batches, progress) -> None:
-    groups = sorted(g.prefix for g in state.qplan.float8_groups.values())
+def _calibration_batches(data, batch_size: int, max_batches: Optional[int]) -> Optional[list[dict]]:
+    """The calibration batches as numpy dicts, read before any model work (fails fast)."""
     if data is None:
+        return None
+    return inputs.batches_from(data, what="calibration data", batch_size=batch_size, max_batches=max_batches)
+
+
+def _calibrate(built, state: _State, report: Report, batches: Optional[list[dict]], progress) -> None:
+    groups = sorted(g.prefix for g in state.qplan.float8_groups.values())
+    if batches is None:
         report.warnings.append(
             "float8 layers without calibration data keep input scale 1 (Keras's initial state): " + ", ".join(groups)
         )
         logger.warning(report.warnings[-1])
         return
-    if built.calibrate is None:
-        return
     signature = state.calibration[0]
     function = state.model.signatures[signature].function
-    batches = calibration.iterate_batches(data, _load_npz)
-    checked = (_check_batch(batch, signature, function) for batch in batches)
     logger.info("calibrating %d float8 layer group(s) on signature %s", len(groups), signature)
-    count = calibration.run(built.calibrate, checked, max_batches=max_batches, progress=progress)
-    if count == 0:
-        raise InputDataError("calibration data holds no batch")
-    report.calibration_batches = count
-
-
-def _check_batch(batch: dict, signature: str, function) -> dict:
-    _, specs = function.structured_input_signature
-    missing = sorted(set(specs) - set(batch))
-    extra = sorted(set(batch) - set(specs))
-    if missing or extra:
-        raise InputDataError(
-            f"calibration batch for signature '{signature}' must have inputs {sorted(specs)};"
-            + (f" missing {missing}" if missing else "") + (f" unexpected {extra}" if extra else "")
-        )
-    converted = {}
-    for name, spec in specs.items():
-        value = batch[name]
-        try:
-            tensor = tf.convert_to_tensor(value)
-            same_kind = (tensor.dtype.is_floating and spec.dtype.is_floating) or (
-                tensor.dtype.is_integer and spec.dtype.is_integer)
-            if tensor.dtype != spec.dtype and same_kind:
-                tensor = tf.cast(tensor, spec.dtype)  # e.g. numpy's default float64 / int64
-        except (TypeError, ValueError) as exc:
-            raise InputDataError(f"calibration input '{name}' cannot be read as a tensor: {exc}") from exc
-        if tensor.dtype != spec.dtype or not spec.shape.is_compatible_with(tensor.shape):
-            raise InputDataError(
-                f"calibration input '{name}' of signature '{signature}': expected {spec.dtype.name} {spec.shape},"
-                f" got {tensor.dtype.name} {tensor.shape}"
-            )
-        converted[name] = tensor
-    return converted
-
-
-def _load_npz(path) -> dict[str, np.ndarray]:
-    from tfpolicy import inputs  # noqa: PLC0415
-
-    return inputs.load_npz(path, what="calibration data")
+    for done, batch in enumerate(batches, start=1):
+        batch = inputs.conform(batch, function)
+        inputs.check_inputs(batch, signature, function, what=f"calibration data, batch {done}")
+        built.calibrate(**{name: tf.constant(value) for name, value in batch.items()})
+        if progress is not None:
+            progress(done, len(batches))
+    report.calibration_batches = len(batches)
 
 
 def _directory_bytes(path: pathlib.Path) -> int:

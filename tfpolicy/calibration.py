@@ -1,4 +1,4 @@
-"""float8 calibration: the ``calibrate`` function and the loop that feeds it.
+"""float8 calibration: the ops of the output's ``tfpolicy.calibrate`` function.
 
 The rewritten model carries ``tfpolicy.calibrate(**inputs)``: the serving
 graph plus, for each float8 layer, Keras's delayed-scaling update from the
@@ -12,28 +12,20 @@ batch's input amax (``compute_float8_amax_history`` then
     outputs: {"<layer>/inputs_scale": scale'}
 
 Each assignment waits for the forward pass's read of the same variable.
-:func:`run` feeds it batches from an ``.npz`` file, an iterable of input dicts
-or a ``tf.data.Dataset``.
+``tfpolicy.rewrite`` feeds it the calibration batches (see :mod:`tfpolicy.inputs`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
-
-import numpy as np
-import tensorflow as tf
 
 from tfpolicy import quant_math
-from tfpolicy.errors import InputDataError
 from tfpolicy.passes.quantize import CAPTURE_SCOPE, F32, INT32, QuantizePass
 from tfpolicy.tf_names import TensorRef
 from tfpolicy.tf_names import bool_attr as _bool
 from tfpolicy.tf_names import type_attr as _type
 
 logger = logging.getLogger(__name__)
-
-CalibrationSource = Any  # npz path, iterable of {input name: array}, or tf.data.Dataset
 
 
 def add_calibration_outputs(qpass: QuantizePass) -> dict[str, TensorRef]:
@@ -105,55 +97,3 @@ def _update(qpass: QuantizePass, history_name: str, scale_name: str, amax: Tenso
         "ReadVariableOp", f"{base}/new_scale",
         [qpass.handle(scale_name), f"^{assign_scale.name}", f"^{assign_history.name}"], {"dtype": f32})
     return TensorRef(after.name)
-
-
-# -- feeding batches -------------------------------------------------------------------
-
-
-class NpzBatches:
-    """Consecutive batches of ``batch_size`` rows from arrays sharing a first dimension."""
-
-    def __init__(self, arrays: Mapping[str, np.ndarray], batch_size: int = 32) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch size must be positive, got {batch_size}")
-        self.arrays, self.batch_size = dict(arrays), batch_size
-        self.rows = len(next(iter(self.arrays.values()))) if self.arrays else 0
-
-    def __len__(self) -> int:
-        return -(-self.rows // self.batch_size)
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        for start in range(0, self.rows, self.batch_size):
-            yield {name: array[start:start + self.batch_size] for name, array in self.arrays.items()}
-
-
-def iterate_batches(source: CalibrationSource, load_npz: Callable[[Any], Mapping[str, np.ndarray]]) -> Iterator[dict[str, Any]]:
-    """Input dicts from any accepted calibration source (an ``.npz`` path is read with ``load_npz``)."""
-    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
-        source = NpzBatches(load_npz(source))
-    for batch in source:
-        if not isinstance(batch, Mapping):
-            raise InputDataError(
-                f"calibration batches must be dicts of input name -> array, got {type(batch).__name__}"
-            )
-        yield dict(batch)
-
-
-def run(
-    calibrate: Callable[..., Mapping[str, tf.Tensor]],
-    batches: Iterable[Mapping[str, Any]],
-    *,
-    max_batches: Optional[int] = None,
-    progress: Optional[Callable[[int], None]] = None,
-) -> int:
-    """Call ``calibrate(**batch)`` for each batch (at most ``max_batches``); returns the count."""
-    count = 0
-    for batch in batches:
-        if max_batches is not None and count >= max_batches:
-            break
-        calibrate(**{name: tf.convert_to_tensor(value) for name, value in batch.items()})
-        count += 1
-        if progress is not None:
-            progress(count)
-    return count
-

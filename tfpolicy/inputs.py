@@ -126,6 +126,25 @@ def check_inputs(arrays: Mapping[str, np.ndarray], signature_key: str, function:
             )
 
 
+def conform(arrays: Mapping[str, np.ndarray], function: Any) -> dict[str, np.ndarray]:
+    """``arrays`` with floats and integers cast to the signature's own width.
+
+    NumPy's defaults (float64, int64) then feed a float32 or int32 input; any
+    other mismatch is left for :func:`check_inputs` to name.
+    """
+    specs = input_specs(function)
+    conformed = dict(arrays)
+    for name, array in arrays.items():
+        spec = specs.get(name)
+        if spec is None or spec.dtype == tf.string:
+            continue
+        want = np.dtype(spec.dtype.as_numpy_dtype)
+        same_kind = (array.dtype.kind == "f" and want.kind == "f") or (array.dtype.kind in "iu" and want.kind in "iu")
+        if array.dtype != want and same_kind:
+            conformed[name] = array.astype(want)
+    return conformed
+
+
 def iter_batches(arrays: Mapping[str, np.ndarray], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
     """Consecutive slices of ``batch_size`` rows (the last may be shorter).
 

@@ -241,17 +241,16 @@ def _calibration_batches():
     """The --calibration_data batches (read now, so a bad file fails first) and a progress bar."""
     if FLAGS.calibration_data is None:
         return None, None
-    from tfpolicy import calibration, inputs  # noqa: PLC0415
+    from tfpolicy import inputs  # noqa: PLC0415
 
-    batches = calibration.NpzBatches(inputs.load_npz(FLAGS.calibration_data, what="calibration data"),
-                                     FLAGS.calibration_batch_size)
+    batches = inputs.batches_from(FLAGS.calibration_data, what="calibration data",
+                                  batch_size=FLAGS.calibration_batch_size, max_batches=FLAGS.calibration_batches)
     if FLAGS.quiet or not sys.stderr.isatty():
         return batches, None
     import keras  # noqa: PLC0415
 
-    total = len(batches) if FLAGS.calibration_batches is None else min(len(batches), FLAGS.calibration_batches)
-    bar = keras.utils.Progbar(total, unit_name="batch")
-    return batches, lambda done: bar.update(done)
+    bar = keras.utils.Progbar(len(batches), unit_name="batch")
+    return batches, lambda done, total: bar.update(done)
 
 
 def _quiet_tensorflow() -> None:
