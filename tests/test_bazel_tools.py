@@ -36,20 +36,20 @@ def rewritten(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 def test_measure_error_of_bf16_example(rewritten: pathlib.Path) -> None:
-    result = compare.measure_error(EXAMPLE / "saved_model", rewritten, seed=0, batch_size=4)
+    result = compare.measure_error(EXAMPLE / "saved_model", rewritten, seed=0)
     assert 0.0 < result.max_abs_error < 0.05
     assert result.signatures == 2
     assert result.where in {"serve/output_0", "serving_default/output_0"}
 
 
 def test_measure_error_of_a_model_against_itself_is_zero() -> None:
-    result = compare.measure_error(EXAMPLE / "saved_model", EXAMPLE / "saved_model", seed=0, batch_size=4)
+    result = compare.measure_error(EXAMPLE / "saved_model", EXAMPLE / "saved_model", seed=0)
     assert result.max_abs_error == 0.0
 
 
 def test_same_seed_same_error(rewritten: pathlib.Path) -> None:
-    first = compare.measure_error(EXAMPLE / "saved_model", rewritten, seed=3, batch_size=2)
-    second = compare.measure_error(EXAMPLE / "saved_model", rewritten, seed=3, batch_size=2)
+    first = compare.measure_error(EXAMPLE / "saved_model", rewritten, seed=3)
+    second = compare.measure_error(EXAMPLE / "saved_model", rewritten, seed=3)
     assert first == second
 
 
@@ -81,13 +81,19 @@ def test_main_user_errors_are_one_line(
     assert "\n" not in err
 
 
-def test_difference_of_non_float_outputs() -> None:
+def test_validation_data_is_used_and_checked(rewritten: pathlib.Path, tmp_path: pathlib.Path, capsys) -> None:
     np = pytest.importorskip("numpy")
-    assert compare._difference(np.array([1, 2]), np.array([1, 2])) == 0.0
-    assert compare._difference(np.array([1, 2]), np.array([1, 3])) == float("inf")
-    assert compare._difference(np.zeros(2), np.zeros(3)) == float("inf")
-    nan = compare._difference(np.array([1.0]), np.array([float("nan")]))
-    assert nan != nan
+    features = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", features=features)
+    on_data = compare.measure_error(EXAMPLE / "saved_model", rewritten, seed=0, data=str(tmp_path / "data.npz"))
+    on_generated = compare.measure_error(EXAMPLE / "saved_model", rewritten, seed=0)
+    assert 0.0 < on_data.max_abs_error < 0.05 and on_data != on_generated
+    np.savez(tmp_path / "wrong.npz", pixels=features)
+    status = compare.main(["--max_error", "0.05", "--rewritten", str(rewritten), "--validation_data",
+                           str(tmp_path / "wrong.npz"), "--saved_model", str(EXAMPLE / "saved_model")])
+    assert status == compare.EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tfpolicy_test: error: ") and "pixels" in err and "\n" not in err
 
 
 def test_pytest_runner_args_under_bazel() -> None:

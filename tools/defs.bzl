@@ -92,14 +92,15 @@ def tfpolicy_test(
         policy_map,
         max_error,
         calibration_data = None,
+        validation_data = None,
         seed = 0,
-        batch_size = 4,
         **kwargs):
-    """A test that rewrites `saved_model` and compares the result with it.
+    """A test that rewrites `saved_model` and validates the result against it.
 
-    Every signature of both SavedModels runs on the same generated inputs
-    (seeded, shaped after each signature); the test fails when the largest
-    absolute difference of any output exceeds `max_error`.
+    The check is `tfpolicy.validate`, as `python -m tfpolicy.rewrite --validate`
+    runs it: every signature of both SavedModels on the same inputs (the
+    validation data, else generated inputs seeded with `seed`); the test fails
+    when the largest absolute difference of any output exceeds `max_error`.
 
     Args:
       name: the test's name; the rewritten model is the target <name>_rewritten.
@@ -107,8 +108,8 @@ def tfpolicy_test(
       policy_map: the policy map JSON file.
       max_error: the bound on the max abs error, a number.
       calibration_data: optional, as for tfpolicy_rewrite.
+      validation_data: optional .npz of inputs keyed by input name, batch first.
       seed: seed of the generated inputs.
-      batch_size: the size given to each unknown dimension of an input.
       **kwargs: passed to the py_test (size, tags, timeout, ...).
     """
     rewritten = name + "_rewritten"
@@ -127,12 +128,12 @@ def tfpolicy_test(
         srcs = [compare],
         main = compare,
         deps = [str(Label("//:tfpolicy"))],
-        data = [saved_model, ":" + rewritten],
+        data = [saved_model, ":" + rewritten] + ([validation_data] if validation_data else []),
         args = [
             "--max_error=%s" % max_error,
             "--seed=%d" % seed,
-            "--batch_size=%d" % batch_size,
             "--rewritten=$(rootpath :%s)" % rewritten,
+        ] + (["--validation_data=$(rootpath %s)" % validation_data] if validation_data else []) + [
             "--saved_model",
             "$(rootpaths %s)" % saved_model,
         ],
