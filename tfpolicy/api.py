@@ -89,7 +89,7 @@ def rewrite(
     state = _run(input_path, output_path, policy_map, signatures, strict, target)
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
     built = assemble.assemble(
-        state.model, state.variable_dtypes, state.new_variables, state.new_captures, state.calibration
+        state.model, state.variable_dtypes, state.new_variables, state.passes.new_captures, state.passes.calibration
     )
     report = state.report
     if state.qplan.float8_groups:
@@ -98,7 +98,7 @@ def rewrite(
         report.warnings.append("calibration data given but no layer is float8; it was not used")
         logger.warning(report.warnings[-1])
     values = {name: variable.numpy() for name, variable in built.new_variables.items()}
-    report.quantization = quantization_rows(state.qplan, state.quantized, values)
+    report.quantization = quantization_rows(state.qplan, state.passes.quantized, values)
     logger.info("saving to %s", output_path)
 
     def check(staged: pathlib.Path) -> None:
@@ -122,9 +122,7 @@ class _State:
     qplan: quant_sites.QuantPlan
     variable_dtypes: dict[int, int]
     new_variables: dict[str, NewVariable]
-    new_captures: dict[str, dict[str, str]]
-    quantized: dict[str, int]
-    calibration: Optional[tuple[str, dict]]
+    passes: "_PassesDone"
     report: Report
 
 
@@ -154,25 +152,57 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
     new_variables = build_variables(qplan, lambda uid: values_by_uid[uid].numpy())
     variable_dtypes = choose_variable_dtypes(the_plan, index, skip=set(qplan.int8_kernels))
 
-    signature_reports, retyped, declined = [], {}, {}
-    new_captures: dict[str, dict[str, str]] = {}
-    quantized: dict[str, int] = {}
-    calibration_target = _calibration_signature(model, qplan)
-    calibration_outputs = None
+    passes = _run_passes(model, index, the_plan, qplan, variable_dtypes, new_variables)
+    report = Report(
+        input_dir=str(input_path),
+        output_dir=str(output_path) if output_path else None,
+        plan=the_plan,
+        signatures=passes.signature_reports,
+        retyped_by_layer=passes.retyped,
+        declined_by_layer=passes.declined,
+        variables_converted=_converted_rows(variable_dtypes, index),
+        warnings=warnings,
+        input_bytes=_directory_bytes(input_path),
+        quantization=quantization_rows(qplan, passes.quantized, {n: v.value for n, v in new_variables.items()}),
+    )
+    return _State(model, the_plan, qplan, variable_dtypes, new_variables, passes, report)
+
+
+@dataclasses.dataclass
+class _PassesDone:
+    """What the passes did, over all signatures."""
+
+    signature_reports: list[SignatureReport] = dataclasses.field(default_factory=list)
+    retyped: dict = dataclasses.field(default_factory=dict)  # layer -> ops retyped
+    declined: dict = dataclasses.field(default_factory=dict)  # layer -> {reason: count}
+    new_captures: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # signature -> placeholders
+    quantized: dict[str, int] = dataclasses.field(default_factory=dict)  # layer -> ops quantized
+    calibration: Optional[tuple[str, dict]] = None  # (signature, calibrate outputs)
+
+
+def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variables) -> _PassesDone:
+    """The float pass on every graph, then the quantize pass, signature by signature."""
+    done = _PassesDone()
+    calibration_target = _calibration_signature(qplan)
     for program in model.signatures.values():
         logger.info("rewriting signature %s (%d ops, %d functions)", program.key, len(program.graph.nodes), len(program.functions))
         float_passes = [FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes) for g in program.all_graphs()]
         quantize = QuantizePass(program.key, program.graph, index, qplan, new_variables)
         steps = [(f"float_precision[{program.key}:{p.graph.name}]", _adapt(p.run)) for p in float_passes]
-        steps.append((f"quantize[{program.key}]", lambda q=quantize: PassResult(q.run().modified)))
+        steps.append((f"quantize[{program.key}]", _adapt(quantize.run)))
         run_passes(steps)
         if program.key == calibration_target:
-            calibration_outputs = calibration.add_calibration_outputs(quantize)
-        new_captures[program.key] = dict(quantize.result.new_captures)
+            outputs = calibration.add_calibration_outputs(quantize)
+            done.calibration = (program.key, outputs) if outputs else None
+        done.new_captures[program.key] = dict(quantize.result.new_captures)
         for layer, n in quantize.result.quantized.items():
-            quantized[layer] = quantized.get(layer, 0) + n
-        signature_reports.append(_signature_report(program, float_passes, quantize, retyped, declined))
-    converted = [
+            done.quantized[layer] = done.quantized.get(layer, 0) + n
+        done.signature_reports.append(_signature_report(program, float_passes, quantize, done.retyped, done.declined))
+    return done
+
+
+def _converted_rows(variable_dtypes: dict[int, int], index) -> list[dict]:
+    return [
         {
             "name": index.variables[uid].name,
             "layer": index.variables[uid].layer_path,
@@ -181,20 +211,6 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
         }
         for uid, dtype in sorted(variable_dtypes.items(), key=lambda kv: index.variables[kv[0]].name)
     ]
-    report = Report(
-        input_dir=str(input_path),
-        output_dir=str(output_path) if output_path else None,
-        plan=the_plan,
-        signatures=signature_reports,
-        retyped_by_layer=retyped,
-        declined_by_layer=declined,
-        variables_converted=converted,
-        warnings=warnings,
-        input_bytes=_directory_bytes(input_path),
-        quantization=quantization_rows(qplan, quantized, {n: v.value for n, v in new_variables.items()}),
-    )
-    calibration_spec = (calibration_target, calibration_outputs) if calibration_outputs else None
-    return _State(model, the_plan, qplan, variable_dtypes, new_variables, new_captures, quantized, calibration_spec, report)
 
 
 def _adapt(run: Callable) -> Callable[[], PassResult]:
@@ -232,9 +248,8 @@ def _refuse_unsupported_modes(the_plan: Plan) -> None:
         )
 
 
-def _calibration_signature(model, qplan: quant_sites.QuantPlan) -> Optional[str]:
-    if not qplan.float8_groups:
-        return None
+def _calibration_signature(qplan: quant_sites.QuantPlan) -> Optional[str]:
+    """serving_default when it has float8 sites, else the first signature that has."""
     keys = [s.signature for s in qplan.sites if s.mode == "float8"]
     return CALIBRATION_SIGNATURE if CALIBRATION_SIGNATURE in keys else (min(keys) if keys else None)
 
@@ -254,7 +269,7 @@ def _calibrate(built, state: _State, report: Report, batches: Optional[list[dict
         )
         logger.warning(report.warnings[-1])
         return
-    signature = state.calibration[0]
+    signature = state.passes.calibration[0]
     function = state.model.signatures[signature].function
     logger.info("calibrating %d float8 layer group(s) on signature %s", len(groups), signature)
     for done, batch in enumerate(batches, start=1):
