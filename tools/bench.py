@@ -3,7 +3,7 @@
     python tools/bench.py [--depth 12] [--width 768] [--heads 12] [--seq 128]
                           [--ffn 3072] [--depths 2,4,8,12] [--workdir DIR]
                           [--json OUT] [--repeat N] [--profile DEPTH]
-                          [--policy mixed_bfloat16]
+                          [--policy mixed_bfloat16] [--no_serving_checks]
 
 For each depth in ``--depths`` (plus ``--depth``) it builds, once and in its own
 subprocess, a float32 Keras 3 Functional transformer encoder and exports it
@@ -25,7 +25,8 @@ time and peak RSS (``ru_maxrss`` of the child) of
   tfpolicy  ``tfpolicy.rewrite(dir, out, {"default_policy": POLICY})``, POLICY
             from ``--policy`` (default ``mixed_bfloat16``; e.g.
             ``int8_from_mixed_bfloat16`` or ``float8_from_mixed_bfloat16`` to
-            time the quantization, float8 without calibration).
+            time the quantization, float8 without calibration), with the
+            serving checks unless ``--no_serving_checks``.
 
 Only the work after the imports is timed; import time is reported apart.
 ``--repeat N`` runs each case N times, alternating floor and tfpolicy, and
@@ -140,7 +141,8 @@ def child_tfpolicy(args) -> dict:
     t_import = time.perf_counter() - t0
     rss_after_import = _peak_rss_mb()
     cpu0, t0 = _cpu_seconds(), time.perf_counter()
-    report = tfpolicy.rewrite(args.input, args.out, {"default_policy": args.policy})
+    report = tfpolicy.rewrite(args.input, args.out, {"default_policy": args.policy},
+                              serving_checks=bool(args.serving_checks))
     seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     return {"seconds": seconds, "cpu_seconds": cpu, "import_seconds": t_import, "peak_rss_mb": _peak_rss_mb(),
             "rss_after_import_mb": rss_after_import, "casts_inserted": report.casts_inserted,
@@ -190,6 +192,7 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--pstats")
     parser.add_argument("--policy", default=DEFAULT_POLICY)
+    parser.add_argument("--serving_checks", type=int, default=1)
     args = parser.parse_args(argv)
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -245,13 +248,15 @@ def ensure_export(workdir: pathlib.Path, depth: int, shape: dict) -> tuple[pathl
 
 
 def measure(mode: str, export: pathlib.Path, workdir: pathlib.Path, depth: int, run: str = "",
-            policy: str = DEFAULT_POLICY) -> dict:
+            policy: str = DEFAULT_POLICY, serving_checks: bool = True) -> dict:
     out = workdir / "out" / f"{mode}_d{depth}"
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _progress(f"depth {depth}: {mode}{run} ...")
-    result = run_child(mode, input=export, out=out, policy=policy if mode == "tfpolicy" else None)
+    tool = mode == "tfpolicy"
+    result = run_child(mode, input=export, out=out, policy=policy if tool else None,
+                       serving_checks=None if serving_checks or not tool else 0)
     _progress(f"depth {depth}: {mode}{run} {result['seconds']:.1f}s (cpu {result['cpu_seconds']:.1f}s),"
               f" peak RSS {result['peak_rss_mb']:.0f} MB (import {result['import_seconds']:.1f}s)")
     shutil.rmtree(out, ignore_errors=True)
@@ -308,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30, help="rows of the cProfile listing (default 30)")
     parser.add_argument("--policy", default=DEFAULT_POLICY,
                         help="the map's default policy (default mixed_bfloat16; try int8_from_mixed_bfloat16)")
+    parser.add_argument("--no_serving_checks", action="store_true",
+                        help="time tfpolicy.rewrite(..., serving_checks=False): no TF1 load or XLA lowering of the output")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure each case N times, alternating, and keep the fastest (default 1)")
     args = parser.parse_args(argv)
@@ -339,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.repeat):  # alternate, so both see the same background load
                 run = f" (run {i + 1}/{args.repeat})" if args.repeat > 1 else ""
                 floors.append(measure("floor", export, workdir, depth, run))
-                tfps.append(measure("tfpolicy", export, workdir, depth, run, args.policy))
+                tfps.append(measure("tfpolicy", export, workdir, depth, run, args.policy, not args.no_serving_checks))
             floor, tfp = best_of(floors), best_of(tfps)
             rows.append({
                 "depth": depth, "params": params, "export": str(export), "floor": floor, "tfpolicy": tfp,
