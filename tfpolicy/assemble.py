@@ -86,10 +86,9 @@ def assemble(
                 handles[placeholder] = capture.handle
         for placeholder, name in new_captures.get(program.key, {}).items():
             handles[placeholder] = created[name].handle
-        graph_def = savedmodel_io.build_graph_def(program)
-        functions[program.key] = savedmodel_io.rebuild_function(program, graph_def, handles)
+        functions[program.key] = savedmodel_io.rebuild_function(program, handles)
         if calibration is not None and calibration[0] == program.key:
-            calibrate = savedmodel_io.rebuild_function(program, graph_def, handles, outputs=calibration[1])
+            calibrate = savedmodel_io.rebuild_function(program, handles, outputs=calibration[1])
     root = autotrackable.AutoTrackable()
     root.tfpolicy_variables = list(kept.values()) + list(converted.values()) + list(created.values())
     root.tfpolicy_resources = savedmodel_io.tracked_resources(model.root)

@@ -121,6 +121,22 @@ class Graph:
             self._uses = table
         return list(self._uses.get(str(ref), ()))
 
+    def ancestors(self, names: Iterable[str]) -> set[str]:
+        """``names`` and every node they depend on, through data and control inputs."""
+        found: set[str] = set()
+        stack = [n for n in names if n in self.nodes]
+        while stack:
+            name = stack.pop()
+            if name in found:
+                continue
+            found.add(name)
+            for text in self.nodes[name].inputs:
+                ref, control = tf_names.parse_input(text)
+                dep = ref.node if ref is not None else control
+                if dep in self.nodes and dep not in found:
+                    stack.append(dep)
+        return found
+
     def topological_order(self) -> list[Node]:
         """Nodes with every producer (data and control) before its consumers."""
         order: list[Node] = []

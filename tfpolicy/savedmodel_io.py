@@ -32,6 +32,7 @@ import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 from tensorflow.python.eager import wrap_function
+from tensorflow.python.framework import func_graph, importer
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.util import nest
 
@@ -48,6 +49,12 @@ logger = logging.getLogger(__name__)
 _KEPT_FUNCTION_ATTRS = frozenset(
     {"_noinline", "_disable_acd", "_implements", "time_major", "go_backwards", "_input_shapes"}
 )
+
+# Top-level node attributes not carried into the rebuilt function, as
+# lift_to_graph drops them: colocation groups name nodes that inlining renamed
+# or pruning removed, and the placer colocates resource users on its own.
+_DROPPED_NODE_ATTRS = ("_class", "_tpu_replicate")
+
 
 @dataclasses.dataclass
 class Capture:
@@ -266,8 +273,8 @@ def _function_name(name: str, fdef: function_pb2.FunctionDef) -> str:
     return f"{name}_tfpolicy_{digest}"
 
 
-def build_graph_def(program: SignatureProgram) -> graph_pb2.GraphDef:
-    """The signature's GraphDef with its library.
+def build_graph_def(program: SignatureProgram, keep: Optional[set[str]] = None) -> graph_pb2.GraphDef:
+    """The signature's GraphDef with its library (only the nodes in ``keep``, if given).
 
     Every library function gets a new name derived from its content: grappler
     may have changed even the functions no pass touched, and the runtime still
@@ -284,11 +291,14 @@ def build_graph_def(program: SignatureProgram) -> graph_pb2.GraphDef:
         _rename_function_refs(fdef.node_def, renames)
         graph_def.library.function.append(fdef)
     for node in program.graph.nodes.values():
+        if keep is not None and node.name not in keep:
+            continue
         nd = graph_def.node.add()
         nd.name, nd.op, nd.device = node.name, node.op, node.device
         nd.input.extend(node.inputs)
         for k, v in node.attrs.items():
-            nd.attr[k].CopyFrom(v)
+            if not k.startswith(_DROPPED_NODE_ATTRS):
+                nd.attr[k].CopyFrom(v)
     _rename_function_refs(graph_def.node, renames)
     return graph_def
 
@@ -309,27 +319,45 @@ def _rename_function_refs(node_defs, renames: dict[str, str]) -> None:
 
 def rebuild_function(
     program: SignatureProgram,
-    graph_def: graph_pb2.GraphDef,
     handles: dict[str, object],
     outputs: Optional[dict[str, TensorRef]] = None,
 ):
-    """A ConcreteFunction from the edited GraphDef, captures mapped to ``handles``.
+    """A ConcreteFunction from the edited graph, capture placeholders mapped to ``handles``.
 
     By default it returns the signature's outputs, structured as the original's;
     ``outputs`` asks for other tensors of the same graph instead, as a dict.
+    The graph is pruned to what those outputs need (so a serving function
+    never runs the calibration's assignments), imported into a FuncGraph, and
+    the surviving capture placeholders are bound to ``handles``; this is
+    ``wrap_function.function_from_graph_def`` without its op-by-op copy.
     """
-    wanted = program.graph.outputs if outputs is None else outputs
-    names = {key: f"{ref.node}:{ref.index}" for key, ref in wanted.items()}
-    new_function = wrap_function.function_from_graph_def(
-        graph_def, program.input_tensors, names, handles
-    )
+    graph = program.graph
+    wanted = graph.outputs if outputs is None else outputs
+    feeds = [name.split(":")[0] for name in program.input_tensors]
+    keep = graph.ancestors([ref.node for ref in wanted.values()] + feeds)
+    graph_def = build_graph_def(program, keep)
+    fn_graph = func_graph.FuncGraph(f"tfpolicy_{program.key}")
+    with fn_graph.as_default():
+        importer.import_graph_def(graph_def, name="")
+    feed_tensors = [fn_graph.get_tensor_by_name(name) for name in program.input_tensors]
+    fn_graph.inputs.extend(feed_tensors)
+    for placeholder, handle in handles.items():
+        if placeholder in keep:
+            fn_graph.add_capture(handle, fn_graph.get_tensor_by_name(f"{placeholder}:0"))
+    fetched = {key: fn_graph.get_tensor_by_name(f"{ref.node}:{ref.index}") for key, ref in wanted.items()}
     original = program.function
     if outputs is None:
-        new_function.graph.structured_outputs = nest.pack_sequence_as(
-            original.graph.structured_outputs, nest.flatten(new_function.graph.structured_outputs)
+        fn_graph.structured_outputs = nest.pack_sequence_as(
+            original.graph.structured_outputs, list(fetched.values())  # graph.outputs is in flatten order
         )
-    new_function.graph.structured_input_signature = original.structured_input_signature
-    return new_function
+    else:
+        fn_graph.structured_outputs = fetched
+    fn_graph.outputs.extend(nest.flatten(fn_graph.structured_outputs, expand_composites=True))
+    fn_graph.structured_input_signature = original.structured_input_signature
+    function = wrap_function.WrappedFunction(fn_graph, variable_holder=wrap_function.VariableHolder())
+    function._num_positional_args = len(feed_tensors)  # noqa: SLF001  (as WrappedFunction.prune sets them)
+    function._arg_keywords = [tensor.op.name for tensor in feed_tensors]  # noqa: SLF001
+    return function
 
 
 def save_atomically(
