@@ -10,7 +10,7 @@ Loading, per signature:
     flat Graph:  x -> ... ReadVariableOp(capture placeholder) ... -> y
                  + one Graph per remaining library function (While/If bodies)
 
-Saving rebuilds each signature with ``wrap_function.function_from_graph_def``,
+Saving rebuilds each signature as a function (:func:`rebuild_function`),
 maps capture placeholders to the loaded (or newly created) variables, tracks
 them and every resource and asset the functions capture under a fresh root,
 and writes with ``tf.saved_model.save`` into a temporary directory beside the
