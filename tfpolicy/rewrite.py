@@ -265,22 +265,16 @@ def _quiet_tensorflow() -> None:
 
     from absl import logging as absl_logging  # noqa: PLC0415
 
+    from tfpolicy.quiet import muted_stderr  # noqa: PLC0415
+
     warnings.filterwarnings("ignore")
     absl_logging.set_verbosity(absl_logging.ERROR)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
+    with muted_stderr():
         import tensorflow as tf  # noqa: PLC0415
 
         import tfpolicy.api  # noqa: F401, PLC0415  (pulls in keras and tf_keras)
 
         tf.config.list_physical_devices()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
     tf.get_logger().setLevel(logging.ERROR)
 

@@ -64,17 +64,12 @@ def _import_tensorflow_quietly() -> None:
     TensorFlow writes its start-up lines (oneDNN, CUDA) before it honours
     ``TF_CPP_MIN_LOG_LEVEL``; muted, the test log is this script's lines.
     """
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
+    from tfpolicy.quiet import muted_stderr
+
+    with muted_stderr():
         import tensorflow as tf
 
         tf.config.list_physical_devices()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def measure_error(input_dir: pathlib.Path, rewritten_dir: pathlib.Path, *, seed: int,
