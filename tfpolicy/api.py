@@ -97,8 +97,8 @@ def rewrite(
     elif calibration_data is not None:
         report.warnings.append("calibration data given but no layer is float8; it was not used")
         logger.warning(report.warnings[-1])
-    values = {name: variable.numpy() for name, variable in built.new_variables.items()}
-    report.quantization = quantization_rows(state.qplan, state.passes.quantized, values)
+    current = {name: variable.numpy() for name, variable in built.new_variables.items() if name.endswith("_scale")}
+    report.quantization = quantization_rows(state.qplan, state.passes.quantized, current)  # scales only
     logger.info("saving to %s", output_path)
 
     def check(staged: pathlib.Path) -> None:

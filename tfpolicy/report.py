@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from tfpolicy.plan import LayerPlan, Plan
 from tfpolicy.quant_sites import QuantPlan
@@ -54,10 +54,11 @@ class QuantizedLayer:
         return text
 
 
-def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: dict) -> dict[str, QuantizedLayer]:
+def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: Mapping[str, Any]) -> dict[str, QuantizedLayer]:
     """One :class:`QuantizedLayer` per layer with a site, a declined op or no op at all.
 
-    ``values`` maps the added variables' names to their current values.
+    ``values`` maps the added variables' names to their current values; only
+    the scales are read from it.
     """
     layers: dict[str, QuantizedLayer] = {}
 
