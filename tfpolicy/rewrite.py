@@ -14,7 +14,8 @@ output dtypes.
 Exit status: 0 on success; 2 for any user error, which prints one line on
 stderr and writes nothing; 1 when ``--validate`` measures an output error above
 ``--max_error`` (the table is printed; a plain OUTPUT is kept for inspection, a
-``--serving_base`` version is not published).
+``--serving_base`` version is not published); 3 for an internal error (a bug in
+tfpolicy: one line, nothing written; ``TFPOLICY_DEBUG=1`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import types
 from typing import TYPE_CHECKING, Optional, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -64,6 +66,7 @@ flags.DEFINE_bool("serving_checks", True, "Before writing, load the output with 
 USAGE = "usage: python -m tfpolicy.rewrite --map MAP [flags] INPUT OUTPUT  (--helpshort for flags)"
 EXIT_USER_ERROR = 2
 EXIT_VALIDATION_FAILED = 1
+EXIT_INTERNAL_ERROR = 3
 
 
 def _fail(message: str) -> None:
@@ -160,6 +163,13 @@ def main(argv: Sequence[str]) -> None:
         _fail_validation(validation)
     except tfpolicy.TfPolicyError as exc:
         _fail(str(exc))
+    except Exception as exc:  # noqa: BLE001  (a bug of ours: one line, not a traceback)
+        if os.environ.get("TFPOLICY_DEBUG"):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"tfpolicy: internal error: {type(exc).__name__}: {first} (nothing was written;"
+              " TFPOLICY_DEBUG=1 shows the traceback; please report it)", file=sys.stderr)
+        sys.exit(EXIT_INTERNAL_ERROR)
     if validation is not None and not validation.passed:
         _fail_validation(validation)
 
@@ -324,6 +334,22 @@ def run_main() -> None:
     """Console-script entry point (``tfpolicy-rewrite``)."""
     app.run(main, flags_parser=_parse_flags)
 
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as :func:`tfpolicy.rewrite`.
+
+    ``import tfpolicy.rewrite`` (the console script does) binds this module to
+    the package attribute ``tfpolicy.rewrite``, shadowing the API function of
+    the same name; calling the module forwards to it, so both spellings work.
+    """
+
+    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+        from tfpolicy.api import rewrite  # noqa: PLC0415
+
+        return rewrite(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     run_main()

@@ -375,7 +375,10 @@ def save_atomically(
     parent = output_dir.resolve().parent
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tfpolicy-tmp-", dir=parent))
     try:
-        tf.saved_model.save(root, str(tmp), signatures=signatures)
+        # Serving never differentiates: custom gradients (Keras's SiLU, keras_hub's
+        # ops) would be traced with captures of the original graph, which fail.
+        options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+        tf.saved_model.save(root, str(tmp), signatures=signatures, options=options)
         if check is not None:
             check(tmp)
         if output_dir.exists():

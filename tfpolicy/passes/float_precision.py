@@ -12,9 +12,26 @@ and never casting the output of a Cast again (its input is cast instead).
 Graph boundaries keep their dtypes: signature inputs and outputs, and the
 arguments and results of While/If bodies, which are rewritten the same way.
 
-Declined, with a reason in the result: ops with no kernel for the dtype,
-normalisation layers (Keras keeps them in float32), ops on resources and
-function calls. Integer, bool, string and resource tensors are never touched.
+Declined, with a reason in the result, and so kept in float32 with Casts
+around them (Keras's and keras_hub's float32 islands, which a float32 export
+cannot show):
+
+* normalisation layers (LayerNormalization, BatchNormalization, RMSNorm as
+  keras_hub writes it: any layer whose own ops take an ``Rsqrt``);
+* :data:`FLOAT32_OPS`, the reductions and exponentials that Keras's and
+  keras_hub's code upcast and grappler's auto_mixed_precision denies;
+* float math computed only from integer tensors and constants (rotary and
+  position embeddings, masks: ``cast(positions) * inverse_frequency``);
+* ops with no kernel for the dtype, ops on resources and function calls.
+
+Constants are weakly typed, as Keras's Python scalars are: a Const is
+converted to the dtype of the op that consumes it (a copy per dtype), and a
+value outside float16's range is clamped to its largest finite value, not
+turned into ``inf`` (the report counts them). Integer, bool, string and
+resource tensors are never touched.
+
+    before:  x:f32 -> Mul <- Const(-1e9)
+    after:   x:f16 -> Mul <- Const(-65504, f16)
 """
 
 from __future__ import annotations
@@ -52,6 +69,21 @@ NEVER_RETYPED = frozenset(
         "NoOp",
     }
 )
+# Ops computed in float32 inside any low-precision layer: Keras and keras_hub
+# upcast softmax and these reductions and exponentials, and grappler's
+# auto_mixed_precision keeps them off its allow list for the same reason.
+FLOAT32_OPS = frozenset(
+    {
+        "Softmax", "LogSoftmax", "Exp", "Expm1", "Log", "Log1p", "Pow", "Mean", "Sum", "L2Loss",
+        "SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits",
+    }
+)
+# Ops that make a layer a normalisation layer (its statistics in float32).
+NORMALIZATION_OPS = frozenset({"Rsqrt", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
+# Float data enters a graph through these; other float tensors that descend
+# only from integers and constants are position math.
+FLOAT_SOURCES = frozenset({"Placeholder", "_Arg"}) | VARIABLE_READ_OPS
+FLOAT16_MAX = float(np.finfo(np.float16).max)
 # Attributes that stay float32 even when their op is retyped (Keras keeps
 # normalisation statistics in float32).
 FLOAT32_ATTRS = {"FusedBatchNorm": {"U"}, "FusedBatchNormV2": {"U"}, "FusedBatchNormV3": {"U"}}
@@ -66,6 +98,7 @@ class GraphStats:
     casts_inserted: int = 0
     casts_reused: int = 0
     casts_folded: int = 0
+    constants_clamped: int = 0
 
     def decline(self, layer: Optional[str], reason: str) -> None:
         self.declined.setdefault(layer, collections.Counter())[reason] += 1
@@ -93,12 +126,18 @@ class FloatPrecisionPass:
         self.variable_dtypes = variable_dtypes
         self.stats = GraphStats()
         self._casts: dict[tuple[str, int], TensorRef] = {}
+        self._position_math: frozenset[str] = frozenset()
+        self._normalization_layers: frozenset[Optional[str]] = frozenset()
 
     # -- entry point -----------------------------------------------------------
 
     def run(self) -> GraphStats:
         graph = self.graph
         output_dtypes = {key: graph.tensor_dtype(ref) for key, ref in graph.outputs.items()}
+        self._position_math = position_math(graph)
+        self._normalization_layers = frozenset(
+            self._layer(node) for node in graph.nodes.values() if node.op in NORMALIZATION_OPS
+        )
         for node in graph.topological_order():
             self._retype(node)
             self._fix_inputs(node)
@@ -116,7 +155,8 @@ class FloatPrecisionPass:
     def _target(self, node: Node) -> tuple[Optional[str], int, bool]:
         layer = self._layer(node)
         layer_plan = self.plan.for_layer(layer)
-        return layer, layer_plan.compute_enum, layer_plan.is_normalization
+        normalization = layer_plan.is_normalization or (layer is not None and layer in self._normalization_layers)
+        return layer, layer_plan.compute_enum, normalization
 
     def _retype(self, node: Node) -> None:
         if node.op in VARIABLE_READ_OPS:
@@ -156,10 +196,8 @@ class FloatPrecisionPass:
         (_, source), = node.data_inputs()
         have = self.graph.tensor_dtype(source)
         src, dst = node.attrs["SrcT"].type, node.attrs["DstT"].type
-        if src not in FLOAT_DTYPES and dst == types_pb2.DT_FLOAT and target != dst and not normalization:
-            node.attrs["DstT"] = attr_value_pb2.AttrValue(type=target)  # e.g. a mask cast
-            dst = target
-            self.stats.retyped[layer] += 1
+        if src not in FLOAT_DTYPES and dst == types_pb2.DT_FLOAT and target != dst:
+            self.stats.decline(layer, POSITION_MATH)  # integers to float32: positions, masks
         if have != src and have in FLOAT_DTYPES and src in FLOAT_DTYPES:
             node.attrs["SrcT"] = attr_value_pb2.AttrValue(type=have)
             self.stats.casts_folded += 1
@@ -172,10 +210,16 @@ class FloatPrecisionPass:
         if target == types_pb2.DT_FLOAT or target not in FLOAT_DTYPES:
             return
         attrs = self._float_type_attrs(node)
-        if not attrs:
+        if not attrs or node.op == "Const":  # constants follow their consumers (_cast)
             return
         if normalization:
             self.stats.decline(layer, "normalization layer kept in float32")
+            return
+        if node.op in FLOAT32_OPS:
+            self.stats.decline(layer, f"{node.op} kept in float32, as Keras and grappler keep it")
+            return
+        if node.name in self._position_math:
+            self.stats.decline(layer, POSITION_MATH)
             return
         if tf_names.op_def(node.op) is None:
             self.stats.decline(layer, f"function call '{node.op}' keeps its signature")
@@ -194,8 +238,6 @@ class FloatPrecisionPass:
                 node.attrs[attr_name] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=new))
             else:
                 node.attrs[attr_name] = attr_value_pb2.AttrValue(type=target)
-        if node.op == "Const":
-            node.attrs["value"] = _convert_tensor(node.attrs["value"], target)
         self.stats.retyped[layer] += 1
 
     def _float_type_attrs(self, node: Node) -> list[str]:
@@ -239,6 +281,9 @@ class FloatPrecisionPass:
         if key in self._casts:
             return self._casts[key]
         producer = self.graph.producer(ref)
+        if producer.op == "Const" and want in FLOAT_DTYPES:
+            self._casts[key] = self._converted_constant(producer, want)
+            return self._casts[key]
         if producer.op == "Cast":
             (_, source), = producer.data_inputs()
             self.stats.casts_folded += 1
@@ -269,11 +314,52 @@ class FloatPrecisionPass:
         return self._casts[key]
 
 
-def _convert_tensor(value: attr_value_pb2.AttrValue, dtype: int) -> attr_value_pb2.AttrValue:
-    array = tf.make_ndarray(value.tensor)
-    numpy_dtype = tf.dtypes.as_dtype(dtype).as_numpy_dtype
-    converted = tf.make_tensor_proto(np.asarray(array, dtype=numpy_dtype), shape=array.shape)
-    return attr_value_pb2.AttrValue(tensor=converted)
+    def _converted_constant(self, const: Node, want: int) -> TensorRef:
+        """A copy of the float Const ``const`` in dtype ``want`` (float16: clamped to its range)."""
+        array = tf.make_ndarray(const.attrs["value"].tensor)
+        if want == types_pb2.DT_HALF and array.size and np.abs(array).max() > FLOAT16_MAX:
+            array = np.clip(array, -FLOAT16_MAX, FLOAT16_MAX)
+            self.stats.constants_clamped += 1
+        numpy_dtype = tf.dtypes.as_dtype(want).as_numpy_dtype
+        tensor = tf.make_tensor_proto(np.asarray(array, dtype=numpy_dtype), shape=array.shape)
+        copy = self.graph.add_node(
+            "Const",
+            f"{const.name}/tfpolicy/as_{tf_names.dtype_name(want)}",
+            [f"^{c}" for c in const.control_inputs()],
+            {"dtype": attr_value_pb2.AttrValue(type=want), "value": attr_value_pb2.AttrValue(tensor=tensor)},
+            device=const.device,
+        )
+        self.stats.retyped[self._layer(const)] += 1
+        return TensorRef(copy.name)
+
+
+POSITION_MATH = "computed from integers and constants only (positions, masks), kept in float32"
+
+
+def position_math(graph: Graph) -> frozenset[str]:
+    """Ops with float outputs whose float inputs all descend from integers and constants.
+
+    Float data enters through :data:`FLOAT_SOURCES` (inputs, arguments,
+    variable reads) and flows along float edges; an op none of whose float
+    inputs carries data, and that is not a Const itself, computes positions,
+    rotary frequencies or masks, which Keras and keras_hub compute in float32.
+    """
+    carries_data: set[str] = set()
+    found = set()
+    for node in graph.topological_order():
+        outputs = graph.output_dtypes(node)
+        if not any(t in FLOAT_DTYPES for t in outputs):
+            continue
+        inputs = graph.input_dtypes(node)
+        fed = any(
+            ref.node in carries_data for position, ref in node.data_inputs()
+            if position < len(inputs) and inputs[position] in FLOAT_DTYPES
+        )
+        if fed or node.op in FLOAT_SOURCES or node.op in NEVER_RETYPED or tf_names.op_def(node.op) is None:
+            carries_data.add(node.name)
+        elif node.op != "Const":
+            found.add(node.name)
+    return frozenset(found)
 
 
 def choose_variable_dtypes(plan: Plan, index: LayerIndex, skip: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:

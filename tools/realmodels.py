@@ -1,0 +1,416 @@
+"""Real architectures through tfpolicy, measured against Keras applying the same map.
+
+    python tools/realmodels.py [--models bert,llama,...] [--maps bf16,int8,...]
+                               [--workdir DIR] [--json OUT] [--markdown]
+
+For every (model, map) it exports the float32 model once (``model.export``,
+tf-keras ``save_format="tf"``), rewrites it with tfpolicy's default settings
+(serving checks on), and runs the input, the output and, for Keras 3 models,
+the same model with the map applied natively (``layer.dtype_policy =
+pm[layer.path]``) on the same batch. It prints one row per pair::
+
+    model       map    ok  e_tool   e_keras  ratio  rewrite s  floor s
+    bert        bf16   ok  0.0061   0.0058   1.05   3.1        1.2
+
+``e_tool`` and ``e_keras`` are ``max|y - y_fp32| / max|y_fp32|`` over every
+output; the floor is TensorFlow's own load + save of the same SavedModel.
+
+The models (random weights, tiny configs so that the whole table runs on two
+CPU cores in minutes): keras_hub ``BertBackbone``, ``DistilBertBackbone``,
+``GPT2Backbone``, ``LlamaBackbone`` (2 layers, hidden 64, vocabulary 1000,
+sequence 32); keras.applications ``ResNet50``, ``MobileNetV3Small``,
+``ConvNeXtTiny`` (64x64x3, 10 classes, logits, BatchNorm statistics set from
+data); tf-keras ``MobileNetV2``. The maps: all ``mixed_bfloat16``;
+``int8_from_mixed_bfloat16`` on every Dense/EinsumDense/Conv layer;
+``float8_from_mixed_bfloat16`` (history 16) on the Dense/EinsumDense layers,
+calibrated; and a per-layer mix of exact and regex keys over the model's real
+layer paths. Keras cannot quantize convolutions: for those layers the Keras
+side keeps the source policy (``mixed_bfloat16``).
+
+The module is also the tests' real-model zoo (``tests/test_real_models.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+SEQUENCE = 32
+VOCABULARY = 1000
+IMAGE = (64, 64, 3)
+BATCH = 4
+CALIBRATION_BATCHES = 4
+MODELS = ("bert", "distilbert", "gpt2", "llama", "resnet50", "mobilenetv3small", "convnexttiny", "tfkeras_mobilenetv2")
+MAPS = ("bf16", "int8", "float8", "mix")
+FLOAT8_POLICY = {"name": "float8_from_mixed_bfloat16", "amax_history_length": 16}
+DENSE_CLASSES = ("Dense", "EinsumDense")
+CONV_CLASSES = ("Conv1D", "Conv2D", "DepthwiseConv2D", "Conv2DTranspose", "SeparableConv2D")
+
+
+@dataclasses.dataclass
+class RealModel:
+    """One exported model and what the comparisons need."""
+
+    name: str
+    saved_model_dir: pathlib.Path
+    inputs: dict[str, np.ndarray]  # serving_default inputs, one batch
+    calibration: list[dict[str, np.ndarray]]
+    layers: dict[str, str]  # Keras layer path -> class name (layers with a path)
+    rebuild: Optional[Callable[[str], Any]]  # Keras 3: a fresh copy under a global policy, same weights
+
+
+# -- builders ---------------------------------------------------------------------
+
+
+def _token_inputs(rng: np.random.Generator, batch: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    arrays = {"token_ids": rng.integers(1, VOCABULARY, size=(batch, SEQUENCE)).astype("int32")}
+    mask = np.ones((batch, SEQUENCE), dtype="int32")
+    mask[: batch // 2, SEQUENCE * 3 // 4 :] = 0  # some padding, hidden by the mask
+    arrays["padding_mask"] = mask
+    if "segment_ids" in names:
+        arrays["segment_ids"] = (np.arange(SEQUENCE)[None, :] >= SEQUENCE // 2).astype("int32").repeat(batch, 0)
+    return {name: arrays[name] for name in names}
+
+
+def _keras_hub(name: str) -> Callable[[], Any]:
+    def build() -> Any:
+        import keras  # noqa: PLC0415
+        import keras_hub  # noqa: PLC0415
+
+        keras.utils.set_random_seed(7)
+        common = dict(vocabulary_size=VOCABULARY, num_layers=2, hidden_dim=64, intermediate_dim=128)
+        if name == "llama":
+            return keras_hub.models.LlamaBackbone(num_query_heads=4, num_key_value_heads=2, **common)
+        cls = {"bert": "BertBackbone", "distilbert": "DistilBertBackbone", "gpt2": "GPT2Backbone"}[name]
+        return getattr(keras_hub.models, cls)(num_heads=4, max_sequence_length=SEQUENCE, **common)
+
+    return build
+
+
+def _application(name: str) -> Callable[[], Any]:
+    def build() -> Any:
+        import keras  # noqa: PLC0415
+
+        keras.utils.set_random_seed(7)
+        cls = {"resnet50": "ResNet50", "mobilenetv3small": "MobileNetV3Small", "convnexttiny": "ConvNeXtTiny"}[name]
+        return getattr(keras.applications, cls)(
+            weights=None, input_shape=IMAGE, classes=10, classifier_activation=None
+        )
+
+    return build
+
+
+def _set_batchnorm_statistics(model: Any, images: np.ndarray) -> None:
+    """Moving statistics from one training-mode pass, so random-weight outputs vary."""
+    norms = [layer for layer in model._flatten_layers() if "BatchNormalization" in type(layer).__name__]
+    for layer in norms:
+        layer.momentum = 0.0
+    model(images, training=True)
+    for layer in norms:
+        layer.momentum = 0.99
+
+
+def _images(rng: np.random.Generator, batch: int) -> np.ndarray:
+    return rng.uniform(0, 255, size=(batch, *IMAGE)).astype("float32")
+
+
+def _keras3(name: str, directory: pathlib.Path) -> RealModel:
+    import keras  # noqa: PLC0415
+
+    rng = np.random.default_rng(11)
+    text = name in ("bert", "distilbert", "gpt2", "llama")
+    build = _keras_hub(name) if text else _application(name)
+    model = build()
+    if text:
+        names = tuple(sorted(model.input.keys())) if isinstance(model.input, dict) else ("token_ids",)
+        inputs = _token_inputs(rng, BATCH, names)
+        calibration = [_token_inputs(rng, BATCH, names) for _ in range(CALIBRATION_BATCHES)]
+    else:
+        images = _images(rng, 16)
+        _set_batchnorm_statistics(model, images)
+        inputs = {"inputs": _images(rng, BATCH)}
+        calibration = [{"inputs": _images(rng, BATCH)} for _ in range(CALIBRATION_BATCHES)]
+    model.export(str(directory), verbose=False)
+    weights = [np.array(w) for w in model.get_weights()]
+
+    def rebuild(policy: str = "float32") -> Any:
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(policy)
+        try:
+            fresh = build()
+        finally:
+            keras.config.set_dtype_policy(previous)
+        fresh.set_weights(weights)
+        return fresh
+
+    inputs = _signature_names(directory, inputs)
+    calibration = [_signature_names(directory, batch) for batch in calibration]
+    layers = {layer.path: type(layer).__name__ for layer in model._flatten_layers(include_self=False) if layer.path}
+    return RealModel(name, directory, inputs, calibration, layers, rebuild)
+
+
+def _signature_names(directory: pathlib.Path, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Keras names a single image input after its layer; match the signature's names."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    specs = tf.saved_model.load(str(directory)).signatures["serving_default"].structured_input_signature[1]
+    if set(specs) == set(arrays):
+        return arrays
+    if len(specs) == 1 and len(arrays) == 1:
+        return {next(iter(specs)): next(iter(arrays.values()))}
+    raise ValueError(f"inputs {sorted(arrays)} do not fit the signature's {sorted(specs)}")
+
+
+def _tfkeras_mobilenetv2(directory: pathlib.Path) -> RealModel:
+    import tf_keras  # noqa: PLC0415
+
+    tf_keras.utils.set_random_seed(7)
+    model = tf_keras.applications.MobileNetV2(
+        weights=None, input_shape=IMAGE, classes=10, classifier_activation=None
+    )
+    rng = np.random.default_rng(11)
+    _set_batchnorm_statistics(model, _images(rng, 16))
+    model.save(str(directory), save_format="tf")
+    inputs = _signature_names(directory, {"input": _images(rng, BATCH)})
+    calibration = [_signature_names(directory, {"input": _images(rng, BATCH)}) for _ in range(CALIBRATION_BATCHES)]
+    layers = {layer.name: type(layer).__name__ for layer in model.layers if layer.weights}
+    return RealModel("tfkeras_mobilenetv2", directory, inputs, calibration, layers, None)
+
+
+def build(name: str, directory: pathlib.Path) -> RealModel:
+    """Export model ``name`` (one of :data:`MODELS`) under ``directory``."""
+    directory = pathlib.Path(directory)
+    if directory.exists():
+        shutil.rmtree(directory)
+    if name == "tfkeras_mobilenetv2":
+        return _tfkeras_mobilenetv2(directory)
+    if name not in MODELS:
+        raise KeyError(f"no real model {name!r}; known: {', '.join(MODELS)}")
+    return _keras3(name, directory)
+
+
+# -- maps ---------------------------------------------------------------------------
+
+
+def policy_map(model: RealModel, which: str) -> dict:
+    """The plain-form policy map ``which`` (one of :data:`MAPS`) for ``model``'s layers."""
+    dense = sorted(p for p, c in model.layers.items() if c in DENSE_CLASSES)
+    conv = sorted(p for p, c in model.layers.items() if c in CONV_CLASSES)
+    if which == "bf16":
+        return {"default_policy": "mixed_bfloat16"}
+    if which == "int8":
+        return {"default_policy": "mixed_bfloat16",
+                "policy_map": {p: "int8_from_mixed_bfloat16" for p in dense + conv}}
+    if which == "float8":
+        return {"default_policy": "mixed_bfloat16", "policy_map": {p: FLOAT8_POLICY for p in dense}}
+    if which == "mix":
+        # The second Dense/Conv layer in model order exactly, the next three by a
+        # regex: float32 and float16 layers inside a bfloat16 model.
+        ordered = [p for p, c in model.layers.items() if c in DENSE_CLASSES + CONV_CLASSES]
+        regex = "|".join(_escape(p) for p in ordered[2:5])
+        return {"default_policy": "mixed_bfloat16", "policy_map": {ordered[1]: "float32", regex: "mixed_float16"}}
+    raise KeyError(f"no map {which!r}; known: {', '.join(MAPS)}")
+
+
+def _escape(path: str) -> str:
+    import re  # noqa: PLC0415
+
+    return re.escape(path)
+
+
+def keras_map(plain: dict, model: RealModel) -> Any:
+    """The Keras DTypePolicyMap for the Keras side: conv layers keep the source policy."""
+    import keras  # noqa: PLC0415
+
+    mapping = {}
+    for key, policy in plain.get("policy_map", {}).items():
+        if model.layers.get(key) in CONV_CLASSES and str(policy).startswith("int8_from_"):
+            policy = policy[len("int8_from_") :]
+        mapping[key] = _float8(policy) if isinstance(policy, dict) else keras.dtype_policies.get(policy)
+    return keras.dtype_policies.DTypePolicyMap(default_policy=plain["default_policy"], policy_map=mapping)
+
+
+def _float8(spec: dict) -> Any:
+    import keras  # noqa: PLC0415
+
+    return keras.dtype_policies.Float8DTypePolicy(
+        "float8", spec["name"][len("float8_from_") :], amax_history_length=spec["amax_history_length"]
+    )
+
+
+def keras_native(model: RealModel, plain: dict, scales: Optional[dict[str, float]] = None) -> dict[str, np.ndarray]:
+    """Outputs of the model with the map applied in Keras itself.
+
+    ``scales`` (float8): variable path -> value copied into the Keras layers
+    after quantization (the tool's calibrated ``inputs_scale`` / ``kernel_scale``).
+    """
+    import keras  # noqa: PLC0415
+
+    # Built under the map's default policy, as a model built with ``dtype=pm``
+    # is: layers without a path (Dropout, Activation, Softmax) take the
+    # default, and the float32 pins of keras_hub's code stay; then every layer
+    # with a path gets ``pm[layer.path]`` (the setter quantizes).
+    native = model.rebuild(plain["default_policy"])
+    pm = keras_map(plain, model)
+    for layer in native._flatten_layers(include_self=False):
+        if layer.path:
+            layer.dtype_policy = pm[layer.path]
+    if scales:
+        for variable in native.variables:
+            if variable.path in scales:
+                variable.assign(np.asarray(scales[variable.path], dtype=variable.dtype))
+    outputs = native(model.inputs if len(model.inputs) > 1 else next(iter(model.inputs.values())))
+    return _as_dict(keras.ops.convert_to_numpy, outputs)
+
+
+def _as_dict(to_numpy: Callable, outputs: Any) -> dict[str, np.ndarray]:
+    if isinstance(outputs, dict):
+        return {k: np.asarray(to_numpy(v), dtype=np.float32) for k, v in sorted(outputs.items())}
+    return {"output_0": np.asarray(to_numpy(outputs), dtype=np.float32)}
+
+
+def run_saved_model(directory: pathlib.Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import tensorflow as tf  # noqa: PLC0415
+
+    fn = tf.saved_model.load(str(directory)).signatures["serving_default"]
+    out = fn(**{k: tf.constant(v) for k, v in inputs.items()})
+    return {k: np.asarray(v.numpy(), dtype=np.float32) for k, v in sorted(out.items())}
+
+
+def relative_error(y: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> float:
+    """``max|y - ref| / max|ref|`` over all outputs, matched in sorted order."""
+    worst = 0.0
+    for a, b in zip((y[k] for k in sorted(y)), (reference[k] for k in sorted(reference))):
+        worst = max(worst, float(np.abs(a.astype(np.float64) - b).max() / max(np.abs(b).max(), 1e-12)))
+    return worst
+
+
+# -- the table ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    map: str
+    ok: str
+    e_tool: Optional[float] = None
+    e_keras: Optional[float] = None
+    rewrite_s: Optional[float] = None
+    floor_s: Optional[float] = None
+
+    @property
+    def ratio(self) -> Optional[float]:
+        if self.e_tool is None or not self.e_keras:
+            return None
+        return self.e_tool / self.e_keras
+
+
+def float8_scales(output_dir: pathlib.Path) -> dict[str, float]:
+    """The tool's float8 scales as Keras variable paths (``<layer>/inputs_scale``)."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    loaded = tf.saved_model.load(str(output_dir))
+    found = {}
+    for variable in getattr(getattr(loaded, "tfpolicy", None), "variables", []):
+        name = variable.name.split(":")[0]
+        if name.endswith(("inputs_scale", "kernel_scale")) and variable.shape.rank == 0:
+            found[name] = float(variable.numpy())
+    return found
+
+
+def measure(model: RealModel, which: str, workdir: pathlib.Path, floor_s: Optional[float] = None) -> Row:
+    import tfpolicy  # noqa: PLC0415
+
+    plain = policy_map(model, which)
+    out = workdir / f"{model.name}_{which}"
+    started = time.monotonic()
+    try:
+        tfpolicy.rewrite(
+            model.saved_model_dir, out, plain, overwrite=True,
+            calibration_data=model.calibration if which == "float8" else None,
+        )
+    except tfpolicy.TfPolicyError as exc:
+        return Row(model.name, which, f"error: {exc}")
+    rewrite_s = time.monotonic() - started
+    y_ref = run_saved_model(model.saved_model_dir, model.inputs)
+    y_tool = run_saved_model(out, model.inputs)
+    row = Row(model.name, which, "ok", relative_error(y_tool, y_ref), None, rewrite_s, floor_s)
+    if not all(np.isfinite(v).all() for v in y_tool.values()):
+        row.ok = "non-finite output"
+    if model.rebuild is not None:
+        scales = float8_scales(out) if which == "float8" else None
+        row.e_keras = relative_error(keras_native(model, plain, scales), y_ref)
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def load_and_save_seconds(model: RealModel, workdir: pathlib.Path) -> float:
+    import tensorflow as tf  # noqa: PLC0415
+
+    started = time.monotonic()
+    loaded = tf.saved_model.load(str(model.saved_model_dir))
+    tf.saved_model.save(loaded, str(workdir / "floor"), signatures=loaded.signatures)
+    seconds = time.monotonic() - started
+    shutil.rmtree(workdir / "floor", ignore_errors=True)
+    return seconds
+
+
+def _format(rows: list[Row], markdown: bool) -> str:
+    header = ("model", "map", "ok", "e_tool", "e_keras", "ratio", "rewrite s", "floor s")
+    lines = []
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    body = [
+        (r.model, r.map, r.ok, fmt(r.e_tool, ".2e"), fmt(r.e_keras, ".2e"), fmt(r.ratio, ".2f"),
+         fmt(r.rewrite_s, ".1f"), fmt(r.floor_s, ".1f"))
+        for r in rows
+    ]
+    if markdown:
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join("---" for _ in header) + "|")
+        lines.extend("| " + " | ".join(cells) + " |" for cells in body)
+    else:
+        widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
+        for cells in (header, *body):
+            lines.append("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
+    parser.add_argument("--maps", default=",".join(MAPS), help="comma-separated, from: " + ", ".join(MAPS))
+    parser.add_argument("--workdir", default=None, help="where exports go (default: a temporary directory)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
+    args = parser.parse_args(argv)
+    workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="tfpolicy-realmodels-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.models.split(","):
+        print(f"building {name}", file=sys.stderr, flush=True)
+        model = build(name, workdir / name)
+        floor = load_and_save_seconds(model, workdir)
+        for which in args.maps.split(","):
+            rows.append(measure(model, which, workdir, floor))
+            print(_format(rows[-1:], False), file=sys.stderr, flush=True)
+    print(_format(rows, args.markdown))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"ratio": r.ratio} for r in rows], indent=1))
+    return 0 if all(r.ok == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    sys.exit(main())
