@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tfpolicy import assemble, calibration, inputs, layer_index, quant_sites, savedmodel_io, tf_names
+from tfpolicy import assemble, calibration, index_limits, inputs, layer_index, quant_sites, savedmodel_io, tf_names
 from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import PassResult, run_passes
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
@@ -101,9 +101,13 @@ def rewrite(
     report.quantization = quantization_rows(state.qplan, state.passes.quantized, current)  # scales only
     logger.info("saving to %s", output_path)
 
+    check_data = {state.passes.calibration[0]: batches[0]} if batches and state.passes.calibration else None
+
     def check(staged: pathlib.Path) -> None:
         logger.info("serving checks: TF1 session loader, XLA compilation")
-        report.serving_checks = run_serving_checks(staged, target=target)
+        report.serving_checks = run_serving_checks(
+            staged, target=target, data=check_data, integer_limits=state.integer_limits
+        )
 
     savedmodel_io.save_atomically(
         built.root, built.signatures, output_path, overwrite, check=check if serving_checks else None
@@ -124,6 +128,7 @@ class _State:
     new_variables: dict[str, NewVariable]
     passes: "_PassesDone"
     report: Report
+    integer_limits: dict[str, dict[str, int]]  # signature -> input -> tables' smallest size
 
 
 def _run(input_path, output_path, policy_map, signatures, strict, target=None) -> _State:
@@ -152,6 +157,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
     new_variables = build_variables(qplan, lambda uid: values_by_uid[uid].numpy())
     variable_dtypes = choose_variable_dtypes(the_plan, index, skip=set(qplan.int8_kernels))
 
+    limits = {key: index_limits.integer_limits(program, index) for key, program in model.signatures.items()}
     passes = _run_passes(model, index, the_plan, qplan, variable_dtypes, new_variables)
     report = Report(
         input_dir=str(input_path),
@@ -165,7 +171,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
         input_bytes=_directory_bytes(input_path),
         quantization=quantization_rows(qplan, passes.quantized, {n: v.value for n, v in new_variables.items()}),
     )
-    return _State(model, the_plan, qplan, variable_dtypes, new_variables, passes, report)
+    return _State(model, the_plan, qplan, variable_dtypes, new_variables, passes, report, limits)
 
 
 @dataclasses.dataclass

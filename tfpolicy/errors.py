@@ -74,3 +74,27 @@ class PassError(Exception):
     def __init__(self, pass_name: str, message: str) -> None:
         super().__init__(f"pass '{pass_name}' failed: {message}")
         self.pass_name = pass_name
+
+
+_BOILERPLATE = ("Graph execution error", "Detected at node", "Exception encountered when calling", "Stack trace")
+
+
+def cause_line(text: str) -> str:
+    """TensorFlow's first line of cause in an error message, with the node it names.
+
+    ``"Graph execution error:\\n\\nDetected at node 'G' defined at ...\\n    File ...\\n
+    Node: 'G'\\nindices[0] = 5 is not in [0, 2)\\n\\t [[{{node G}}]]"`` becomes
+    ``"indices[0] = 5 is not in [0, 2) (node 'G')"``: the summary lines, the
+    Python stack and the bracketed node repeat are dropped.
+    """
+    node = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or raw[:1].isspace() or line.startswith(_BOILERPLATE) or line.startswith("[["):
+            continue
+        if line.startswith("Node: "):
+            node = line[len("Node: ") :]
+            continue
+        return f"{line} (node {node})" if node else line
+    stripped = text.strip()
+    return stripped.splitlines()[0] if stripped else "unknown error"

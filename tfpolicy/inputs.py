@@ -28,6 +28,9 @@ from tfpolicy.errors import InputDataError
 UNKNOWN_DIM = 8
 """Size :func:`generate_inputs` gives a ``None`` dimension other than the batch."""
 
+GENERATED_INTEGER_LIMIT = 4
+"""Generated integers are drawn from ``[0, 4)`` unless the input indexes a smaller table."""
+
 STRING_TOKENS = (b"the", b"cat", b"sat", b"on", b"mat", b"tfpolicy")
 """Tokens :func:`generate_inputs` draws string inputs from."""
 
@@ -172,21 +175,32 @@ def batch_rows(arrays: Mapping[str, np.ndarray]) -> int:
     return next(iter(sizes.values()))
 
 
-def generate_inputs(function: Any, *, batch: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+def generate_inputs(
+    function: Any, *, batch: int = 4, seed: int = 0, integer_limits: Optional[Mapping[str, int]] = None
+) -> dict[str, np.ndarray]:
     """Seeded inputs that fit the signature ``function``.
 
-    Floats are standard normal, integers drawn from ``[0, 4)`` (valid ids for any
-    vocabulary), bools fair coins, strings drawn from :data:`STRING_TOKENS`.
+    Floats are standard normal, integers drawn from ``[0, 4)``, or from
+    ``[0, integer_limits[name])`` when that is smaller (the size of the table
+    the input indexes: see :mod:`tfpolicy.index_limits`), bools fair coins,
+    strings drawn from :data:`STRING_TOKENS`.
     The first ``None`` dimension is ``batch``, other ``None`` dimensions are
     :data:`UNKNOWN_DIM`.
     """
-    return generate_for_specs(input_specs(function), batch=batch, seed=seed)
+    return generate_for_specs(input_specs(function), batch=batch, seed=seed, integer_limits=integer_limits)
 
 
-def generate_for_specs(specs: Mapping[str, tf.TensorSpec], *, batch: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+def generate_for_specs(
+    specs: Mapping[str, tf.TensorSpec],
+    *,
+    batch: int = 4,
+    seed: int = 0,
+    integer_limits: Optional[Mapping[str, int]] = None,
+) -> dict[str, np.ndarray]:
     """:func:`generate_inputs` for input name -> TensorSpec (e.g. from a SignatureDef)."""
     rng = np.random.default_rng(seed)
-    return {name: _generate(name, specs[name], rng, batch) for name in sorted(specs)}
+    limits = integer_limits or {}
+    return {name: _generate(name, specs[name], rng, batch, limits.get(name)) for name in sorted(specs)}
 
 
 def batches_from(
@@ -273,7 +287,9 @@ def _shape_fits(shape: tuple[int, ...], spec_shape: tf.TensorShape) -> bool:
     return all(want is None or want == got for want, got in zip(spec_shape.as_list(), shape))
 
 
-def _generate(name: str, spec: tf.TensorSpec, rng: np.random.Generator, batch: int) -> np.ndarray:
+def _generate(
+    name: str, spec: tf.TensorSpec, rng: np.random.Generator, batch: int, integer_limit: Optional[int] = None
+) -> np.ndarray:
     if spec.shape.rank is None:
         shape: tuple[int, ...] = (batch,)
     else:
@@ -289,7 +305,8 @@ def _generate(name: str, spec: tf.TensorSpec, rng: np.random.Generator, batch: i
     if dtype.is_floating or dtype.is_complex:
         return rng.standard_normal(shape).astype(dtype.as_numpy_dtype)
     if dtype.is_integer:
-        return rng.integers(0, 4, size=shape).astype(dtype.as_numpy_dtype)
+        high = min(GENERATED_INTEGER_LIMIT, integer_limit) if integer_limit else GENERATED_INTEGER_LIMIT
+        return rng.integers(0, high, size=shape).astype(dtype.as_numpy_dtype)
     raise InputDataError(f"cannot generate a value for input '{name}' of dtype {dtype.name}")
 
 

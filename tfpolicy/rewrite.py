@@ -166,7 +166,9 @@ def main(argv: Sequence[str]) -> None:
     except Exception as exc:  # noqa: BLE001  (a bug of ours: one line, not a traceback)
         if os.environ.get("TFPOLICY_DEBUG"):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        from tfpolicy.errors import cause_line  # noqa: PLC0415
+
+        first = cause_line(str(exc))
         print(f"tfpolicy: internal error: {type(exc).__name__}: {first} (nothing was written;"
               " TFPOLICY_DEBUG=1 shows the traceback; please report it)", file=sys.stderr)
         sys.exit(EXIT_INTERNAL_ERROR)

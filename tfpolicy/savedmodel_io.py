@@ -37,7 +37,7 @@ from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.util import nest
 
 from tfpolicy import tf_names
-from tfpolicy.errors import OutputError, SavedModelError
+from tfpolicy.errors import OutputError, SavedModelError, cause_line
 from tfpolicy.graph import Graph, Node
 from tfpolicy.tf_names import TensorRef
 
@@ -110,7 +110,7 @@ def load(path: pathlib.Path, signatures: Optional[Sequence[str]] = None) -> Load
     try:
         root = tf.saved_model.load(str(path))
     except Exception as exc:  # TensorFlow raises many types for a broken model
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = cause_line(str(exc)) if str(exc).strip() else type(exc).__name__
         raise SavedModelError(f"cannot load SavedModel '{path}': {first}") from exc
     available = list(root.signatures.keys())
     if not available:

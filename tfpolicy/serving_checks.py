@@ -22,14 +22,14 @@ import logging
 import pathlib
 import re
 import time
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import deprecation
 
 from tfpolicy import inputs
-from tfpolicy.errors import ServingCheckError, TargetError
+from tfpolicy.errors import ServingCheckError, TargetError, cause_line
 from tfpolicy.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -131,8 +131,19 @@ def _dtypes_of(layer: Any) -> set[str]:
     return found
 
 
-def run(saved_model_dir: pathlib.Path, *, target: Optional[str] = None, seed: int = 0) -> ServingChecks:
+def run(
+    saved_model_dir: pathlib.Path,
+    *,
+    target: Optional[str] = None,
+    seed: int = 0,
+    data: Optional[Mapping[str, Mapping[str, np.ndarray]]] = None,
+    integer_limits: Optional[Mapping[str, Mapping[str, int]]] = None,
+) -> ServingChecks:
     """Both checks on the SavedModel at ``saved_model_dir``.
+
+    Each signature runs on ``data[key]`` (a batch of real inputs) when given,
+    else on generated inputs whose integers stay below ``integer_limits[key]``
+    (the tables they index), so that the model is checked on inputs it accepts.
 
     Raises :class:`ServingCheckError` when the TF1 loader cannot load or run a
     signature, and, for ``target="tpu"``, when a signature does not compile
@@ -140,11 +151,15 @@ def run(saved_model_dir: pathlib.Path, *, target: Optional[str] = None, seed: in
     """
     check_target_name(target)
     started = time.monotonic()
-    tf1 = run_tf1(saved_model_dir, seed=seed)
+    feeds = _Feeds(data or {}, integer_limits or {}, seed)
+    tf1 = run_tf1(saved_model_dir, seed=seed, feeds=feeds)
     tf1_seconds = time.monotonic() - started
     started = time.monotonic()
     loaded = tf.saved_model.load(str(saved_model_dir))
-    xla = {key: compile_xla(saved_model_dir, key, fn, seed=seed) for key, fn in sorted(loaded.signatures.items())}
+    xla = {
+        key: compile_xla(saved_model_dir, key, fn, seed=seed, feeds=feeds)
+        for key, fn in sorted(loaded.signatures.items())
+    }
     checks = ServingChecks(
         target,
         tuple(
@@ -164,7 +179,26 @@ def run(saved_model_dir: pathlib.Path, *, target: Optional[str] = None, seed: in
     return checks
 
 
-def run_tf1(saved_model_dir: pathlib.Path, *, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
+@dataclasses.dataclass(frozen=True)
+class _Feeds:
+    """The inputs each signature is checked on: given data, else generated within limits."""
+
+    data: Mapping[str, Mapping[str, np.ndarray]]
+    integer_limits: Mapping[str, Mapping[str, int]]
+    seed: int
+
+    def for_specs(self, key: str, specs: Mapping[str, tf.TensorSpec]) -> dict[str, np.ndarray]:
+        given = self.data.get(key)
+        if given is not None and set(given) == set(specs):
+            return {name: np.asarray(value)[:CHECK_BATCH] for name, value in given.items()}
+        return inputs.generate_for_specs(
+            specs, batch=CHECK_BATCH, seed=self.seed, integer_limits=self.integer_limits.get(key)
+        )
+
+
+def run_tf1(
+    saved_model_dir: pathlib.Path, *, seed: int = 0, feeds: Optional[_Feeds] = None
+) -> dict[str, dict[str, np.ndarray]]:
     """Load with the TF1 session loader and run every SignatureDef by tensor name.
 
     Returns signature key -> output key -> value. This is TF Serving's path:
@@ -181,10 +215,10 @@ def run_tf1(saved_model_dir: pathlib.Path, *, seed: int = 0) -> dict[str, dict[s
                     continue
                 signature = meta_graph.signature_def[key]
                 specs = {name: _spec_of(info) for name, info in signature.inputs.items()}
-                feeds = inputs.generate_for_specs(specs, batch=CHECK_BATCH, seed=seed)
+                values = (feeds or _Feeds({}, {}, seed)).for_specs(key, specs)
                 fetches = {name: info.name for name, info in signature.outputs.items()}
                 try:
-                    results[key] = session.run(fetches, {signature.inputs[n].name: v for n, v in feeds.items()})
+                    results[key] = session.run(fetches, {signature.inputs[n].name: v for n, v in values.items()})
                 except tf.errors.OpError as exc:
                     raise ServingCheckError(
                         f"the TF1 session loader (TF Serving's) cannot run signature '{key}' of"
@@ -203,7 +237,7 @@ def _spec_of(info: Any) -> tf.TensorSpec:
 
 
 def compile_xla(
-    saved_model_dir: pathlib.Path, key: str, function: Any, *, seed: int = 0
+    saved_model_dir: pathlib.Path, key: str, function: Any, *, seed: int = 0, feeds: Optional[_Feeds] = None
 ) -> tuple[bool, tuple[str, ...], str]:
     """Lower ``function`` to XLA HLO as ``tf.function(jit_compile=True)`` does.
 
@@ -212,13 +246,13 @@ def compile_xla(
     is not run, which keeps the check cheap for big models. Returns
     ``(compiles, unsupported ops as "Op (node)", first line of the error)``.
     """
-    feeds = inputs.generate_inputs(function, batch=CHECK_BATCH, seed=seed)
+    values = (feeds or _Feeds({}, {}, seed)).for_specs(key, inputs.input_specs(function))
 
     def call(**kwargs: tf.Tensor) -> Any:
         return function(**kwargs)
 
     try:
-        tensors = {name: tf.constant(value) for name, value in feeds.items()}
+        tensors = {name: tf.constant(value) for name, value in values.items()}
         tf.function(call, jit_compile=True).experimental_get_compiler_ir(**tensors)(stage="hlo")
     except (tf.errors.OpError, ValueError, TypeError) as exc:
         message = getattr(exc, "message", str(exc))
@@ -229,5 +263,4 @@ def compile_xla(
 
 
 def _first_line(text: str) -> str:
-    text = text.strip()
-    return text.splitlines()[0] if text else "unknown error"
+    return cause_line(text)
