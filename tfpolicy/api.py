@@ -106,7 +106,7 @@ def rewrite(
     def check(staged: pathlib.Path) -> None:
         logger.info("serving checks: TF1 session loader, XLA compilation")
         report.serving_checks = run_serving_checks(
-            staged, target=target, data=check_data, integer_limits=state.integer_limits
+            staged, target=target, data=check_data, integer_limits=state.integer_limits, input_dir=input_path
         )
 
     savedmodel_io.save_atomically(
@@ -144,6 +144,12 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
     _refuse_unsupported_modes(the_plan)
     qplan = quant_sites.analyze(model, index, the_plan)
     warnings = [f"policy map key '{key}' matches no layer" for key in the_plan.unused_keys]
+    for name, count in sorted(index.shared_names.items()):
+        warnings.append(
+            f"{count} distinct variables share the TF name '{name}' (e.g. a subclassed model built by its first"
+            f" call): they are kept apart, each with its own quantization variables, but their layers cannot be"
+            f" told apart by path, so the map addresses them together as '{name.rsplit('/', 1)[0]}'"
+        )
     if qplan.layers_without_sites:
         warnings.append(
             "quantized policy on layer(s) with no matmul-like op to quantize, which run in their source policy: "

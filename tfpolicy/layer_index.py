@@ -138,6 +138,7 @@ class LayerIndex:
         self.variables: dict[int, VariableInfo] = {}
         self._node_layer: dict[tuple[str, str, str], Optional[str]] = {}
         self._resources: dict[tuple[str, str], dict[str, int]] = {}
+        self.shared_names: dict[str, int] = {}  # TF variable name -> how many distinct variables bear it
 
     def layer_of(self, signature: str, graph: Graph, node: Node) -> Optional[str]:
         return self._node_layer.get((signature, graph.name, node.name))
@@ -171,6 +172,7 @@ def build(model: LoadedModel) -> LayerIndex:
             if variable is None or id(variable) in index.variables:
                 continue
             info = _variable_info(variable)
+            info = _unique_name(index, info)
             index.variables[info.uid] = info
             index.layers.setdefault(info.layer_path, LayerInfo(info.layer_path)).variables.append(info)
     known = _with_ancestors(index.layers)
@@ -180,6 +182,25 @@ def build(model: LoadedModel) -> LayerIndex:
         if path is not None:
             index.layers.setdefault(path, LayerInfo(path)).op_count += 1
     return index
+
+
+def _unique_name(index: "LayerIndex", info: VariableInfo) -> VariableInfo:
+    """``info`` with a name no other variable has: ``net/kernel`` again becomes ``net/kernel_1``.
+
+    TensorFlow lets distinct variables share a name (a Keras 3 subclassed model
+    built by its first call names every kernel ``net/kernel``; eager
+    ``tf.Module``s too). They stay distinct variables here, each with its own
+    int8 scale or float8 variables; their layer path cannot be told apart, which
+    :attr:`LayerIndex.shared_names` records for the report.
+    """
+    taken = {v.name for v in index.variables.values()}
+    if info.name not in taken:
+        return info
+    index.shared_names[info.name] = index.shared_names.get(info.name, 1) + 1
+    suffix = 1
+    while f"{info.name}_{suffix}" in taken:
+        suffix += 1
+    return dataclasses.replace(info, name=f"{info.name}_{suffix}")
 
 
 def _variable_info(variable: tf.Variable) -> VariableInfo:

@@ -347,6 +347,11 @@ def rebuild_function(
     fetched = {key: fn_graph.get_tensor_by_name(f"{ref.node}:{ref.index}") for key, ref in wanted.items()}
     original = program.function
     if outputs is None:
+        # Inlining and retyping lose static dimensions shape inference cannot
+        # recover (a Reshape to a computed shape); the signature keeps the original's.
+        for tensor, want in zip(fetched.values(), original.outputs):
+            if tensor.shape.is_compatible_with(want.shape):
+                tensor.set_shape(want.shape)
         fn_graph.structured_outputs = nest.pack_sequence_as(
             original.graph.structured_outputs, list(fetched.values())  # graph.outputs is in flatten order
         )

@@ -138,12 +138,15 @@ def run(
     seed: int = 0,
     data: Optional[Mapping[str, Mapping[str, np.ndarray]]] = None,
     integer_limits: Optional[Mapping[str, Mapping[str, int]]] = None,
+    input_dir: Optional[pathlib.Path] = None,
 ) -> ServingChecks:
     """Both checks on the SavedModel at ``saved_model_dir``.
 
     Each signature runs on ``data[key]`` (a batch of real inputs) when given,
     else on generated inputs whose integers stay below ``integer_limits[key]``
     (the tables they index), so that the model is checked on inputs it accepts.
+    A signature that does not compile under XLA is an error when the same
+    signature of ``input_dir`` (the SavedModel before the rewrite) compiles.
 
     Raises :class:`ServingCheckError` when the TF1 loader cannot load or run a
     signature, and, for ``target="tpu"``, when a signature does not compile
@@ -175,8 +178,19 @@ def run(
         )
         if target == "tpu":
             raise ServingCheckError(f"--target tpu: {message}; TPU serving needs every signature to compile")
+        if input_dir is not None and _compiles(input_dir, failed.signature, feeds):
+            raise ServingCheckError(
+                f"{message}, but it did before the rewrite; a rewrite must not break compilation"
+                " (please report it, with the map)"
+            )
         logger.warning(message)
     return checks
+
+
+def _compiles(saved_model_dir: pathlib.Path, key: str, feeds: _Feeds) -> bool:
+    """Whether signature ``key`` of ``saved_model_dir`` lowers to XLA (checked only after a failure)."""
+    function = tf.saved_model.load(str(saved_model_dir)).signatures.get(key)
+    return function is not None and compile_xla(saved_model_dir, key, function, feeds=feeds)[0]
 
 
 @dataclasses.dataclass(frozen=True)

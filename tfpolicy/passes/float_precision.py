@@ -145,6 +145,7 @@ class FloatPrecisionPass:
             want = output_dtypes[key]
             if graph.tensor_dtype(ref) != want:
                 graph.outputs[key] = self._cast(ref, want)
+        self._fold_constant_copies()
         return self.stats
 
     # -- deciding a node's dtype -------------------------------------------------
@@ -313,6 +314,27 @@ class FloatPrecisionPass:
         self._casts[key] = TensorRef(cast.name)
         return self._casts[key]
 
+
+    def _fold_constant_copies(self) -> None:
+        """A Const whose only users now read one converted copy is converted in place.
+
+            before:  w:f32 (no users left), w/tfpolicy/as_bfloat16:bf16 -> MatMul
+            after:   w:bf16 -> MatMul
+        """
+        graph = self.graph
+        copies: dict[str, list[str]] = {}
+        for (source, _), ref in self._casts.items():
+            if ref.node.startswith(source.split(":")[0] + "/tfpolicy/as_"):
+                copies.setdefault(source.split(":")[0], []).append(ref.node)
+        outputs = {ref.node for ref in graph.outputs.values()}
+        for name, made in copies.items():
+            original = TensorRef(name)
+            if len(made) != 1 or name in outputs or graph.uses(original) or made[0] in outputs:
+                continue
+            copy = graph.nodes[made[0]]
+            graph.redefine(graph.nodes[name], "Const", graph.nodes[name].inputs, copy.attrs)
+            graph.replace_all_uses_with(TensorRef(copy.name), original)
+            del graph.nodes[copy.name]
 
     def _converted_constant(self, const: Node, want: int) -> TensorRef:
         """A copy of the float Const ``const`` in dtype ``want`` (float16: clamped to its range)."""
