@@ -74,7 +74,7 @@ NEVER_RETYPED = frozenset(
 # auto_mixed_precision keeps them off its allow list for the same reason.
 FLOAT32_OPS = frozenset(
     {
-        "Softmax", "LogSoftmax", "Exp", "Expm1", "Log", "Log1p", "Pow", "Mean", "Sum", "L2Loss",
+        "Softmax", "LogSoftmax", "Exp", "Expm1", "Log", "Log1p", "Pow", "L2Loss",
         "SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits",
     }
 )
