@@ -155,6 +155,14 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
             "quantized policy on layer(s) with no matmul-like op to quantize, which run in their source policy: "
             + ", ".join(path for path, _ in qplan.layers_without_sites)
         )
+    if qplan.declined:
+        reasons: dict[str, int] = {}
+        for declined in qplan.declined:
+            reasons[declined.reason] = reasons.get(declined.reason, 0) + 1
+        warnings.append(
+            f"{len(qplan.declined)} op(s) of quantized layers were declined and run in their source policy: "
+            + "; ".join(f"{n} x {reason}" for reason, n in sorted(reasons.items()))
+        )
     if strict and warnings:
         raise StrictModeError(warnings[0] + " (--strict)")
     for message in warnings:

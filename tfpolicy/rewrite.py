@@ -220,9 +220,15 @@ def _counts(report: Report) -> str:
         f"{report.casts_inserted} casts inserted, {report.casts_reused} reused, "
         f"{len(report.variables_converted)} variables converted, "
         f"{sum(q.ops_quantized for q in report.quantization.values())} ops quantized"
+        f"{_declined(report)}"
         f"{f' ({report.calibration_batches} calibration batches)' if report.calibration_batches else ''}; "
         f"{report.input_bytes / 1e6:.2f} MB -> {(report.output_bytes or 0) / 1e6:.2f} MB"
     )
+
+
+def _declined(report: Report) -> str:
+    declined = sum(sum(q.declined.values()) for q in report.quantization.values())
+    return f" ({declined} declined: see --explain)" if declined else ""
 
 
 def _write_reports(report: Optional[Report], validation: Optional[ValidationReport]) -> None:

@@ -189,7 +189,8 @@ def run(
 
 def _compiles(saved_model_dir: pathlib.Path, key: str, feeds: _Feeds) -> bool:
     """Whether signature ``key`` of ``saved_model_dir`` lowers to XLA (checked only after a failure)."""
-    function = tf.saved_model.load(str(saved_model_dir)).signatures.get(key)
+    loaded = tf.saved_model.load(str(saved_model_dir))  # keeps the variables alive while compiling
+    function = loaded.signatures.get(key)
     return function is not None and compile_xla(saved_model_dir, key, function, feeds=feeds)[0]
 
 

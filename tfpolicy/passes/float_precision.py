@@ -127,6 +127,7 @@ class FloatPrecisionPass:
         self.stats = GraphStats()
         self._casts: dict[tuple[str, int], TensorRef] = {}
         self._position_math: frozenset[str] = frozenset()
+        self._promoted: set[str] = set()
         self._normalization_layers: frozenset[Optional[str]] = frozenset()
 
     # -- entry point -----------------------------------------------------------
@@ -208,6 +209,13 @@ class FloatPrecisionPass:
 
     def _retype_compute(self, node: Node) -> None:
         layer, target, normalization = self._target(node)
+        if target in FLOAT_DTYPES and target != types_pb2.DT_FLOAT and not normalization:
+            promoted = self._promote(node, layer, target)
+            if promoted != target:
+                self._promoted.add(node.name)
+                if promoted == types_pb2.DT_FLOAT:
+                    self.stats.decline(layer, PROMOTED)
+                target = promoted
         if target == types_pb2.DT_FLOAT or target not in FLOAT_DTYPES:
             return
         attrs = self._float_type_attrs(node)
@@ -240,6 +248,31 @@ class FloatPrecisionPass:
             else:
                 node.attrs[attr_name] = attr_value_pb2.AttrValue(type=target)
         self.stats.retyped[layer] += 1
+
+    def _promote(self, node: Node, layer: Optional[str], target: int) -> int:
+        """The dtype Keras computes ``node`` in: ``target``, widened by its sublayers' outputs.
+
+        Keras casts what enters a layer to its compute dtype, but not what the
+        layer's own sublayers return to it: ``ops.einsum(scores, value)`` in a
+        bfloat16 attention layer whose ``value`` projection is float16 or
+        float32 runs in float32, as ``result_type`` promotes. Inputs from a
+        sublayer count at that sublayer's compute dtype, inputs this layer
+        already promoted at theirs; everything else at ``target``.
+        """
+        if layer is None:
+            return target
+        prefix = layer + "/"
+        wanted = target
+        for _, ref in node.data_inputs():
+            producer = self.graph.producer(ref)
+            if producer.op == "Const" or self.graph.tensor_dtype(ref) not in FLOAT_DTYPES:
+                continue
+            source = self._layer(producer)
+            if source is not None and source.startswith(prefix):
+                wanted = _wider(wanted, self.plan.for_layer(source).compute_enum)
+            elif producer.name in self._promoted:
+                wanted = _wider(wanted, self.graph.tensor_dtype(ref))
+        return wanted
 
     def _float_type_attrs(self, node: Node) -> list[str]:
         """Type attributes of ``node`` that are float32 and type a data argument."""
@@ -353,6 +386,18 @@ class FloatPrecisionPass:
         )
         self.stats.retyped[self._layer(const)] += 1
         return TensorRef(copy.name)
+
+
+PROMOTED = "promoted to float32 by a float32 or mixed-dtype sublayer output, as Keras promotes"
+
+
+def _wider(a: int, b: int) -> int:
+    """Keras's ``result_type`` of two float dtypes (bfloat16 with float16 is float32)."""
+    if a == b:
+        return a
+    if types_pb2.DT_DOUBLE in (a, b):
+        return types_pb2.DT_DOUBLE
+    return types_pb2.DT_FLOAT
 
 
 POSITION_MATH = "computed from integers and constants only (positions, masks), kept in float32"

@@ -1,0 +1,128 @@
+"""Real architectures with the default settings, against Keras applying the same map.
+
+The zoo is ``tools/realmodels.py``'s (keras_hub BERT, DistilBERT, GPT-2, Llama;
+keras.applications ResNet50, MobileNetV3Small, ConvNeXtTiny; tf-keras
+MobileNetV2), each exported once per session with random weights, each under
+four maps (``bf16``, ``int8``, ``float8`` calibrated, a per-layer ``mix``). For
+every pair: tfpolicy exits cleanly with the serving checks on, both loaders
+run every signature, signatures are unchanged to the static dimension, every
+signature still compiles under XLA, and the error against float32 stays within
+Keras's own (float maps 1.1x, quantized maps 1.25x; float8 with tfpolicy's
+calibrated scales copied into Keras).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from cli_helpers import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import realmodels  # noqa: E402
+
+import tfpolicy  # noqa: E402
+
+FLOAT_BOUND = 1.1
+QUANTIZED_BOUND = 1.25
+CASES = [(model, which) for model in realmodels.MODELS for which in realmodels.MAPS]
+
+
+class RealZoo:
+    """Exports each real model at most once per session, when a test first asks."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        self._root = root
+        self._built: dict[str, realmodels.RealModel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> realmodels.RealModel:
+        with self._lock:
+            if name not in self._built:
+                self._built[name] = realmodels.build(name, self._root / name)
+            return self._built[name]
+
+
+@pytest.fixture(scope="session")
+def real_zoo(tmp_path_factory: pytest.TempPathFactory) -> RealZoo:
+    return RealZoo(tmp_path_factory.mktemp("real_zoo"))
+
+
+def _specs(directory: pathlib.Path) -> dict[str, tuple]:
+    loaded = tf.saved_model.load(str(directory))
+    return {
+        key: (fn.structured_input_signature, fn.structured_outputs)
+        for key, fn in sorted(loaded.signatures.items())
+    }
+
+
+@pytest.mark.parametrize(("name", "which"), CASES, ids=[f"{m}-{w}" for m, w in CASES])
+def test_rewrites_with_defaults_as_faithfully_as_keras(real_zoo, tmp_path, name, which):
+    model = real_zoo.get(name)
+    plain = realmodels.policy_map(model, which)
+    out = tmp_path / "out"
+    report = tfpolicy.rewrite(
+        model.saved_model_dir, out, plain,
+        calibration_data=model.calibration if which == "float8" else None,
+    )
+
+    # Served as TF Serving serves it, and compiled as XLA compiles it.
+    checks = report.serving_checks
+    assert checks is not None and checks.signatures
+    assert all(s.tf1_ran for s in checks.signatures), checks.to_json()
+    assert all(s.xla_compiles for s in checks.signatures), checks.to_json()
+    assert _specs(out) == _specs(model.saved_model_dir)  # names, dtypes, static dimensions
+
+    y_ref = realmodels.run_saved_model(model.saved_model_dir, model.inputs)
+    y_tool = realmodels.run_saved_model(out, model.inputs)
+    assert all(np.isfinite(v).all() for v in y_tool.values())
+    e_tool = realmodels.relative_error(y_tool, y_ref)
+    assert e_tool > 0  # the map changed something
+    if which == "int8":
+        assert sum(q.ops_quantized for q in report.quantization.values()) > 0
+    if model.rebuild is None:  # tf-keras: no Keras 3 oracle; the error stays a precision error
+        assert e_tool < 0.1, e_tool
+        return
+    scales = realmodels.float8_scales(out) if which == "float8" else None
+    y_keras = realmodels.keras_native(model, plain, scales)
+    e_keras = realmodels.relative_error(y_keras, y_ref)
+    bound = FLOAT_BOUND if which in ("bf16", "mix") else QUANTIZED_BOUND
+    assert e_tool <= bound * e_keras, (e_tool, e_keras)
+
+
+@pytest.mark.parametrize("name", ["mobilenetv3small", "gpt2"])
+def test_mixed_bfloat16_is_keras_bit_for_bit(real_zoo, tmp_path, name):
+    """Where tfpolicy's op sequence is Keras's, the outputs are Keras's exactly."""
+    model = real_zoo.get(name)
+    plain = realmodels.policy_map(model, "bf16")
+    tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", plain, serving_checks=False)
+    y_tool = realmodels.run_saved_model(tmp_path / "out", model.inputs)
+    y_keras = realmodels.keras_native(model, plain)
+    for key, got in y_tool.items():
+        np.testing.assert_array_equal(got, y_keras[key])
+
+
+def test_bert_under_mixed_float16_with_a_padding_mask_stays_finite(real_zoo, tmp_path):
+    model = real_zoo.get("bert")
+    assert (model.inputs["padding_mask"] == 0).any()  # some tokens are hidden
+    plain = {"default_policy": "mixed_float16"}
+    tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", plain)
+    y_ref = realmodels.run_saved_model(model.saved_model_dir, model.inputs)
+    y_tool = realmodels.run_saved_model(tmp_path / "out", model.inputs)
+    assert all(np.isfinite(v).all() for v in y_tool.values())
+    e_keras = realmodels.relative_error(realmodels.keras_native(model, plain), y_ref)
+    assert realmodels.relative_error(y_tool, y_ref) <= FLOAT_BOUND * e_keras
+
+
+def test_llama_keeps_rmsnorm_rotary_and_softmax_in_float32(real_zoo):
+    report = tfpolicy.explain(real_zoo.get("llama").saved_model_dir, {"default_policy": "mixed_bfloat16"})
+    table = report.format_table()
+    norm_rows = [line for line in table.splitlines() if "layernorm" in line]
+    assert norm_rows and all("kept in float32 (normalization)" in line for line in norm_rows)
+    assert "Softmax kept in float32" in table
+    assert "computed from integers and constants only" in table  # rotary positions
