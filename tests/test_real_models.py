@@ -91,11 +91,17 @@ def test_rewrites_with_defaults_as_faithfully_as_keras(real_zoo, tmp_path, name,
     scales = realmodels.float8_scales(out) if which == "float8" else None
     y_keras = realmodels.keras_native(model, plain, scales)
     e_keras = realmodels.relative_error(y_keras, y_ref)
+    if which == "int8" and realmodels.quantizes_convolutions(model, plain):
+        # Keras cannot quantize convolutions and keeps them in bfloat16: the two
+        # figures are reported (README), and tfpolicy's stays an int8 error.
+        print(f"{name} int8: tfpolicy {e_tool:.3g}, Keras (convolutions in bfloat16) {e_keras:.3g}")
+        assert e_keras <= e_tool < 0.1, (e_tool, e_keras)
+        return
     bound = FLOAT_BOUND if which in ("bf16", "mix") else QUANTIZED_BOUND
     assert e_tool <= bound * e_keras, (e_tool, e_keras)
 
 
-@pytest.mark.parametrize("name", ["mobilenetv3small", "gpt2"])
+@pytest.mark.parametrize("name", ["mobilenetv3small", "resnet50"])
 def test_mixed_bfloat16_is_keras_bit_for_bit(real_zoo, tmp_path, name):
     """Where tfpolicy's op sequence is Keras's, the outputs are Keras's exactly."""
     model = real_zoo.get(name)
@@ -126,3 +132,41 @@ def test_llama_keeps_rmsnorm_rotary_and_softmax_in_float32(real_zoo):
     assert norm_rows and all("kept in float32 (normalization)" in line for line in norm_rows)
     assert "Softmax kept in float32" in table
     assert "computed from integers and constants only" in table  # rotary positions
+
+
+class _MaskedAttention(tf.Module):
+    """A tf.Module attention with the common additive mask ``(1 - mask) * -1e9``."""
+
+    def __init__(self, mask_dtype: tf.DType) -> None:
+        super().__init__(name="attention")
+        rng = np.random.default_rng(3)
+        self.weights_ = {}
+        for part in ("query", "key", "value"):
+            with tf.name_scope(part):
+                self.weights_[part] = tf.Variable(rng.standard_normal((16, 16)).astype("float32") * 0.3, name="kernel")
+        self.__call__ = tf.function(
+            self._call, input_signature=[tf.TensorSpec([None, 8, 16], tf.float32), tf.TensorSpec([None, 8], mask_dtype)]
+        )
+
+    def _call(self, x: tf.Tensor, mask: tf.Tensor) -> tf.Tensor:
+        q, k, v = (tf.matmul(x, self.weights_[p]) for p in ("query", "key", "value"))
+        scores = tf.einsum("bqd,bkd->bqk", q, k) / 4.0
+        scores += (1.0 - tf.cast(mask, tf.float32)[:, None, :]) * -1e9
+        return tf.einsum("bqk,bkd->bqd", tf.nn.softmax(scores), v)
+
+
+@pytest.mark.parametrize("mask_dtype", [tf.int32, tf.float32], ids=["int_mask", "float_mask"])
+def test_module_with_additive_mask_stays_finite_under_mixed_float16(tmp_path, mask_dtype):
+    module = _MaskedAttention(mask_dtype)
+    tf.saved_model.save(module, str(tmp_path / "in"), signatures=module.__call__.get_concrete_function())
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 8, 16)).astype("float32")
+    mask = np.ones((3, 8), dtype=mask_dtype.as_numpy_dtype)
+    mask[:, 5:] = 0  # the last three keys hidden
+    report = tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", {"default_policy": "mixed_float16"})
+    assert report.casts_inserted > 0
+    run = lambda d: next(iter(tf.saved_model.load(str(d)).signatures["serving_default"](  # noqa: E731
+        x=tf.constant(x), mask=tf.constant(mask)).values())).numpy().astype(np.float32)
+    y_ref, y_tool = run(tmp_path / "in"), run(tmp_path / "out")
+    assert np.isfinite(y_tool).all()
+    assert np.abs(y_tool - y_ref).max() <= 0.01 * np.abs(y_ref).max()

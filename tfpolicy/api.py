@@ -208,9 +208,17 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
         logger.info("rewriting signature %s (%d ops, %d functions)", program.key, len(program.graph.nodes), len(program.functions))
         float_passes = [FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes) for g in program.all_graphs()]
         quantize = QuantizePass(program.key, program.graph, index, qplan, new_variables)
+        in_functions = [
+            QuantizePass(program.key, graph, index, qplan, new_variables, constant_scales=True)
+            for graph in program.functions.values()
+        ]
         steps = [(f"float_precision[{program.key}:{p.graph.name}]", _adapt(p.run)) for p in float_passes]
         steps.append((f"quantize[{program.key}]", _adapt(quantize.run)))
+        steps.extend((f"quantize[{program.key}:{q.graph.name}]", _adapt(q.run)) for q in in_functions)
         run_passes(steps)
+        for nested in in_functions:
+            for layer, n in nested.result.quantized.items():
+                done.quantized[layer] = done.quantized.get(layer, 0) + n
         if program.key == calibration_target:
             outputs = calibration.add_calibration_outputs(quantize)
             done.calibration = (program.key, outputs) if outputs else None

@@ -66,6 +66,9 @@ class Graph:
         # function graphs: the FunctionDef's ret map.
         self.outputs: dict[str, TensorRef] = {}
         self.library: Mapping[str, op_def_pb2.OpDef] = library or {}
+        # Function graphs: argument index -> the dtype its resource now holds
+        # (an int8 kernel), for the FunctionDef's ``_handle_dtypes`` arg attribute.
+        self.arg_handle_dtypes: dict[int, int] = {}
         self._uses: Optional[dict[str, list[tuple[str, int]]]] = None
 
     # -- construction --------------------------------------------------------

@@ -8,7 +8,7 @@ read of one of that layer's variables, possibly through layout ops::
 
 Each op type has a rule (:data:`RULES`) saying which operand can be the kernel
 and which axes of each operand are contracted. The analysis traces the kernel
-operand back to its variable through ``Identity``, ``Cast``, ``Reshape`` and
+operand back to its variable through ``Identity``, ``Cast``, ``Reshape``, ``ExpandDims`` and
 ``Transpose`` and maps the contracted axes into the variable's own frame, so
 that an int8 kernel gets one scale per output channel of the variable as
 stored. An op that does not fit is **declined** with a reason, shown by
@@ -39,8 +39,11 @@ from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODES = ("int8", "float8")
-LAYOUT_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose"})
+LAYOUT_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose", "ExpandDims"})
 VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather"})
+# A called function (not a While/If body) reads the kernel it is passed; its
+# reads are retyped to int8 like the signature's own.
+CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,11 @@ def _conv2d(node: Node) -> list[Contraction]:
     return [Contraction("matmul", 1, 0, (0, 1, 2), (_channel_axis(node),))]
 
 
+def _conv2d_transpose(node: Node) -> list[Contraction]:
+    """``Conv2DBackpropInput(input_sizes, filter (h, w, filters, in), x)``: one scale per filter."""
+    return [Contraction("matmul", 1, 2, (0, 1, 3), (_channel_axis(node),))]
+
+
 def _depthwise(node: Node) -> list[Contraction]:
     return [Contraction("matmul", 1, 0, (0, 1), (_channel_axis(node),))]
 
@@ -129,6 +137,7 @@ RULES: dict[str, Callable[[Node], list[Contraction]]] = {
     "Einsum": _einsum,
     "Conv2D": _conv2d,
     "DepthwiseConv2dNative": _depthwise,
+    "Conv2DBackpropInput": _conv2d_transpose,
     "GatherV2": _gather,
     "ResourceGather": _gather,
 }
@@ -214,6 +223,7 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan) -> QuantPlan:
     sites: list[Site] = []
     declined: list[Declined] = []
     for program in model.signatures.values():
+        bodies = control_flow_bodies(program.all_graphs())
         for graph in program.all_graphs():
             for node in graph.nodes.values():
                 layer = index.layer_of(program.key, graph, node)
@@ -222,7 +232,7 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan) -> QuantPlan:
                     continue
                 if node.op in ("GatherV2", "ResourceGather") and not _gathers_floats(node):
                     continue  # a shape or index lookup, not an embedding
-                found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index)
+                found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index, bodies)
                 (sites if isinstance(found, Site) else declined).append(found)
     sites, more_declined = _check_variables(model, index, sites)
     declined.extend(more_declined)
@@ -242,12 +252,32 @@ def _gathers_floats(node: Node) -> bool:
     return dtype in FLOAT_DTYPES
 
 
-def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, index: LayerIndex):
+CONTROL_FLOW_ATTRS = ("body", "cond", "then_branch", "else_branch", "branches")
+
+
+def control_flow_bodies(graphs: list[Graph]) -> frozenset[str]:
+    """Names of the functions that are While/If/Case bodies (not plain calls)."""
+    found = set()
+    for graph in graphs:
+        for node in graph.nodes.values():
+            for attr in CONTROL_FLOW_ATTRS:
+                value = node.attrs.get(attr)
+                if value is not None:
+                    found.update([value.func.name] if value.HasField("func") else [f.name for f in value.list.func])
+    return frozenset(found)
+
+
+def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, index: LayerIndex,
+           bodies: frozenset[str] = frozenset()):
     def decline(reason: str) -> Declined:
         return Declined(layer, mode, node.name, node.op, reason)
 
-    if graph.is_function:
+    if graph.is_function and graph.name in bodies:
         return decline("inside a While/If body, whose signature cannot take new variables")
+    if graph.is_function and mode == "float8":
+        return decline("float8 inside a called function, whose signature cannot take the calibrated scale variables")
+    if graph.is_function and node.op in ("GatherV2", "ResourceGather"):
+        return decline("an embedding lookup inside a called function, whose signature cannot take the scale variable")
     if mode == "float8" and node.op not in FLOAT8_KINDS:
         return decline(f"float8 applies to matmul and einsum ops, not {node.op}")
     candidates = RULES[node.op](node)
@@ -336,6 +366,14 @@ def _trace_kernel(signature, graph, operand: TensorRef, contraction: Contraction
             target = _resolve_reshape(shape, [int(d) for d in np.asarray(target).reshape(-1)])
             back.append(lambda axes, source=shape, target=target: _reshape_axes_back(source, target, axes))
             shape = target
+        elif step.op == "ExpandDims":  # Conv1D's kernel (k, in, out) -> (1, k, in, out)
+            axis = _const_input(graph, step, 1)
+            if axis is None:
+                return info, node.name, None
+            axis = int(np.asarray(axis).reshape(-1)[0])
+            axis = axis + len(shape) + 1 if axis < 0 else axis
+            back.append(lambda axes, axis=axis: {a - (a > axis) for a in axes if a != axis})
+            shape = shape[:axis] + (1,) + shape[axis:]
     axes: Optional[set[int]] = {a % len(shape) for a in contraction.kernel_reduced} if shape else set()
     for step_back in reversed(back):
         axes = step_back(axes)
@@ -410,9 +448,10 @@ def _reshape_axes_back(source, target, axes: set[int]) -> Optional[set[int]]:
 # -- variable decisions ----------------------------------------------------------------
 
 
-def _variable_uses(model: LoadedModel, index: LayerIndex) -> Iterator[tuple[str, Graph, Node, int]]:
-    """Every (signature, graph, node, uid) where a node takes a variable's handle."""
+def _variable_uses(model: LoadedModel, index: LayerIndex) -> Iterator[tuple[Graph, Node, int, bool]]:
+    """Every (graph, node, uid, in a While/If body) where a node takes a variable's handle."""
     for program in model.signatures.values():
+        bodies = control_flow_bodies(program.all_graphs())
         for graph in program.all_graphs():
             for node in graph.nodes.values():
                 if node.op in ("Identity", "IdentityN"):
@@ -420,7 +459,7 @@ def _variable_uses(model: LoadedModel, index: LayerIndex) -> Iterator[tuple[str,
                 for _, ref in node.data_inputs():
                     uid = index.variable_of(program.key, graph, ref)
                     if uid is not None:
-                        yield program.key, graph, node, uid
+                        yield graph, node, uid, graph.name in bodies
 
 
 def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
@@ -436,9 +475,11 @@ def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
             int8_axes.setdefault(site.variable_uid, set()).add(site.kernel_reduced_axes)
     blocked = {uid: "its kernel is contracted over different axes at another op"
                for uid, axes in int8_axes.items() if len(axes) > 1}
-    for _, graph, node, uid in _variable_uses(model, index):
-        if uid in int8_axes and uid not in blocked and (graph.is_function or node.op not in VARIABLE_READS):
-            what = "a While/If body" if graph.is_function else f"{node.op} '{node.name}'"
+    for graph, node, uid, in_body in _variable_uses(model, index):
+        if uid not in int8_axes or uid in blocked:
+            continue
+        if in_body or (node.op not in VARIABLE_READS and node.op not in CALL_OPS):
+            what = "a While/If body" if in_body else f"{node.op} '{node.name}'"
             blocked[uid] = f"its kernel is also used by {what}, which cannot read an int8 copy"
     kept, declined = [], []
     for site in sites:

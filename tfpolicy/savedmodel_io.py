@@ -190,7 +190,48 @@ def _load_signature(key: str, function: object, by_handle: dict[int, tf.Variable
     inputs = [t.name for t in function.inputs if t.name.split(":")[0] not in capture_names]
     functions = {fdef.signature.name: function_def_to_graph(fdef, library) for fdef in graph_def.library.function}
     fdefs = {fdef.signature.name: fdef for fdef in graph_def.library.function}
+    _specialize_call_sites(graph, functions, fdefs, library)
     return SignatureProgram(key, function, graph, functions, fdefs, inputs, captures)
+
+
+# Ops that make a called function worth one copy per call site: each caller's
+# layer may quantize its own kernel inside it.
+_PER_SITE_OPS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "DepthwiseConv2dNative"})
+
+
+def _specialize_call_sites(
+    graph: Graph, functions: dict[str, Graph], fdefs: dict[str, function_pb2.FunctionDef], library: dict
+) -> None:
+    """Give each call of a shared function with a matmul or convolution its own copy.
+
+    TensorFlow traces a ``tf.function`` once per input signature, so Keras's
+    ``_conv_xla`` (an XLA-compiled depthwise convolution) is one function
+    called by every layer of the same shape, each with its own kernel. A copy
+    per call site lets each be attributed to its caller's layer and rewritten
+    for that layer's policy::
+
+        layer_a/PartitionedCall(f=_conv_xla_12), layer_b/PartitionedCall(f=_conv_xla_12)
+        -> layer_a/PartitionedCall(f=_conv_xla_12), layer_b/PartitionedCall(f=_conv_xla_12_site1)
+    """
+    calls: dict[str, list[Node]] = {}
+    for node in graph.nodes.values():
+        value = node.attrs.get("f")
+        if node.op in ("PartitionedCall", "StatefulPartitionedCall") and value is not None:
+            calls.setdefault(value.func.name, []).append(node)
+    for name, callers in calls.items():
+        body = fdefs.get(name)
+        if body is None or len(callers) < 2 or not any(nd.op in _PER_SITE_OPS for nd in body.node_def):
+            continue
+        for site, caller in enumerate(sorted(callers, key=lambda n: n.name)[1:], start=1):
+            clone_name = f"{name}_site{site}"
+            clone = function_pb2.FunctionDef()
+            clone.CopyFrom(body)
+            clone.signature.name = clone_name
+            fdefs[clone_name] = clone
+            library[clone_name] = library[name]
+            functions[clone_name] = function_def_to_graph(clone, library)
+            caller.attrs["f"] = _copy_attr(caller.attrs["f"])
+            caller.attrs["f"].func.name = clone_name
 
 
 def _output_keys(function: object) -> list[str]:
@@ -233,6 +274,10 @@ def graph_to_function_def(graph: Graph, original: function_pb2.FunctionDef, new_
         if key not in _KEPT_FUNCTION_ATTRS:
             del fdef.attr[key]  # grappler's marks; api_implements would let the runtime swap bodies
     del fdef.node_def[:]
+    for index, dtype in graph.arg_handle_dtypes.items():
+        handle_dtypes = fdef.arg_attr[index].attr.get("_handle_dtypes")
+        if handle_dtypes is not None:
+            handle_dtypes.list.type[:] = [dtype]
     body = [n for n in graph.nodes.values() if n.op != "_Arg"]
     layout = {n.name: graph.output_slots(n) for n in body}
     arg_names = frozenset(n.name for n in graph.nodes.values() if n.op == "_Arg")

@@ -138,10 +138,8 @@ def _residual_norms(model: Any) -> list[Any]:
         if type(layer).__name__ != "Add":
             continue
         for node in layer._inbound_nodes:
-            if hasattr(node, "input_tensors"):  # Keras 3
-                sources = [t._keras_history.operation for t in node.input_tensors]
-            else:  # tf-keras
-                sources = node.inbound_layers if isinstance(node.inbound_layers, list) else [node.inbound_layers]
+            histories = [t._keras_history for t in node.input_tensors]
+            sources = [getattr(h, "operation", None) or h.layer for h in histories]  # Keras 3, tf-keras
             found.extend(s for s in sources if "BatchNormalization" in type(s).__name__ and s not in found)
     return found
 
@@ -261,6 +259,14 @@ def policy_map(model: RealModel, which: str) -> dict:
         regex = "|".join(_escape(p) for p in ordered[2:5])
         return {"default_policy": "mixed_bfloat16", "policy_map": {ordered[1]: "float32", regex: "mixed_float16"}}
     raise KeyError(f"no map {which!r}; known: {', '.join(MAPS)}")
+
+
+def quantizes_convolutions(model: RealModel, plain: dict) -> bool:
+    """Whether ``plain`` quantizes a convolution, which Keras cannot (it keeps the source policy)."""
+    return any(
+        model.layers.get(key) in CONV_CLASSES and "_from_" in str(policy)
+        for key, policy in plain.get("policy_map", {}).items()
+    )
 
 
 def _escape(path: str) -> str:

@@ -131,9 +131,11 @@ class QuantizePass:
         index: LayerIndex,
         qplan: QuantPlan,
         variables: dict[str, NewVariable],
+        constant_scales: bool = False,
     ) -> None:
         self.signature, self.graph, self.index = signature, graph, index
         self.qplan, self.variables = qplan, variables
+        self.constant_scales = constant_scales
         self.result = QuantizeResult()
         self._reads: dict[str, TensorRef] = {}
         self._scales: dict[tuple[str, int], TensorRef] = {}
@@ -150,6 +152,7 @@ class QuantizePass:
                 reads.setdefault(info.uid, []).append(node)
         for kernel in sorted(self.qplan.int8_kernels.values(), key=lambda k: k.name):
             self._store_int8(kernel, reads.get(kernel.uid, []), gather_sites)
+        self._retype_kernel_arguments()
         for site in sites:
             if site.contraction.kind == "gather":
                 self._gather(site, self.qplan.int8_kernels[site.variable_uid])
@@ -179,8 +182,23 @@ class QuantizePass:
             self.result.new_captures[placeholder] = name
         return placeholder
 
+    def _retype_kernel_arguments(self) -> None:
+        """A called function's resource arguments that now carry int8 kernels say so."""
+        for node in self.graph.nodes.values():
+            if node.op == "_Arg":
+                uid = self.index.variable_of(self.signature, self.graph, TensorRef(node.name))
+                if uid in self.qplan.int8_kernels:
+                    self.graph.arg_handle_dtypes[node.attrs["index"].i] = INT8
+
     def read(self, name: str) -> TensorRef:
-        """One ``ReadVariableOp`` of new variable ``name`` per graph."""
+        """One ``ReadVariableOp`` of new variable ``name`` per graph.
+
+        In a called function (``constant_scales``), whose signature cannot take
+        a new variable, an int8 scale (fixed by the weights) is a Const instead.
+        """
+        if name not in self._reads and self.constant_scales:
+            value = self.variables[name].value
+            self._reads[name] = self.const(f"{CAPTURE_SCOPE}/{name}/value", value, self.variables[name].dtype)
         if name not in self._reads:
             handle = self.handle(name)
             node = self.graph.add_node("ReadVariableOp", f"{handle}/read", [handle], {"dtype": _type(self.variables[name].dtype)})
