@@ -173,6 +173,13 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
 
     limits = {key: index_limits.integer_limits(program, index) for key, program in model.signatures.items()}
     passes = _run_passes(model, index, the_plan, qplan, variable_dtypes, new_variables)
+    clamped = sum(s.constants_clamped for s in passes.signature_reports)
+    if clamped:
+        warnings.append(
+            f"{clamped} constant(s) beyond float16's range (e.g. an additive mask's -1e9) were clamped to"
+            " +-65504 where float16 ops read them, instead of becoming inf"
+        )
+        logger.warning(warnings[-1])
     report = Report(
         input_dir=str(input_path),
         output_dir=str(output_path) if output_path else None,
@@ -216,14 +223,11 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
         steps.append((f"quantize[{program.key}]", _adapt(quantize.run)))
         steps.extend((f"quantize[{program.key}:{q.graph.name}]", _adapt(q.run)) for q in in_functions)
         run_passes(steps)
-        for nested in in_functions:
-            for layer, n in nested.result.quantized.items():
-                done.quantized[layer] = done.quantized.get(layer, 0) + n
         if program.key == calibration_target:
             outputs = calibration.add_calibration_outputs(quantize)
             done.calibration = (program.key, outputs) if outputs else None
         done.new_captures[program.key] = dict(quantize.result.new_captures)
-        for layer, n in quantize.result.quantized.items():
+        for layer, n in (item for q in (quantize, *in_functions) for item in q.result.quantized.items()):
             done.quantized[layer] = done.quantized.get(layer, 0) + n
         done.signature_reports.append(_signature_report(program, float_passes, quantize, done.retyped, done.declined))
     return done
@@ -253,6 +257,7 @@ def _signature_report(program, float_passes, quantize, retyped, declined) -> Sig
         sig_report.casts_inserted += stats.casts_inserted
         sig_report.casts_reused += stats.casts_reused
         sig_report.casts_folded += stats.casts_folded
+        sig_report.constants_clamped += stats.constants_clamped
         sig_report.ops_retyped += sum(stats.retyped.values())
         changed += int(stats.modified and float_pass.graph.is_function)
         for layer, n in stats.retyped.items():

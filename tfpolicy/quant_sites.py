@@ -141,6 +141,7 @@ RULES: dict[str, Callable[[Node], list[Contraction]]] = {
     "GatherV2": _gather,
     "ResourceGather": _gather,
 }
+assert set(RULES) == tf_names.CONTRACTION_OPS | {"GatherV2", "ResourceGather"}, "a rule per contraction op"
 FLOAT8_KINDS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
 
 

@@ -26,6 +26,7 @@ class SignatureReport:
     ops_retyped: int = 0
     functions_rewritten: int = 0
     ops_quantized: int = 0
+    constants_clamped: int = 0  # float16 constants clamped to +-65504 instead of inf
 
 
 @dataclasses.dataclass

@@ -194,11 +194,6 @@ def _load_signature(key: str, function: object, by_handle: dict[int, tf.Variable
     return SignatureProgram(key, function, graph, functions, fdefs, inputs, captures)
 
 
-# Ops that make a called function worth one copy per call site: each caller's
-# layer may quantize its own kernel inside it.
-_PER_SITE_OPS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "DepthwiseConv2dNative"})
-
-
 def _specialize_call_sites(
     graph: Graph, functions: dict[str, Graph], fdefs: dict[str, function_pb2.FunctionDef], library: dict
 ) -> None:
@@ -220,7 +215,7 @@ def _specialize_call_sites(
             calls.setdefault(value.func.name, []).append(node)
     for name, callers in calls.items():
         body = fdefs.get(name)
-        if body is None or len(callers) < 2 or not any(nd.op in _PER_SITE_OPS for nd in body.node_def):
+        if body is None or len(callers) < 2 or not any(nd.op in tf_names.CONTRACTION_OPS for nd in body.node_def):
             continue
         for site, caller in enumerate(sorted(callers, key=lambda n: n.name)[1:], start=1):
             clone_name = f"{name}_site{site}"

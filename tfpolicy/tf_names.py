@@ -24,6 +24,15 @@ from tensorflow.python.framework import kernels, op_def_registry
 FLOAT_DTYPES = frozenset(
     {types_pb2.DT_FLOAT, types_pb2.DT_BFLOAT16, types_pb2.DT_HALF, types_pb2.DT_DOUBLE}
 )
+CONTRACTION_OPS = frozenset(
+    {
+        "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+        "Conv2D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
+    }
+)
+"""Ops that contract an operand with a kernel: what int8 and float8 quantize
+(:data:`tfpolicy.quant_sites.RULES` has one rule for each, plus the gathers)."""
+
 DTYPE_NAMES = {
     types_pb2.DT_FLOAT: "float32",
     types_pb2.DT_BFLOAT16: "bfloat16",

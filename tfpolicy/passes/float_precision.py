@@ -128,6 +128,7 @@ class FloatPrecisionPass:
         self._casts: dict[tuple[str, int], TensorRef] = {}
         self._position_math: frozenset[str] = frozenset()
         self._promoted: set[str] = set()
+        self._constant_copies: dict[str, list[str]] = {}  # Const -> its converted copies
         self._normalization_layers: frozenset[Optional[str]] = frozenset()
 
     # -- entry point -----------------------------------------------------------
@@ -355,12 +356,8 @@ class FloatPrecisionPass:
             after:   w:bf16 -> MatMul
         """
         graph = self.graph
-        copies: dict[str, list[str]] = {}
-        for (source, _), ref in self._casts.items():
-            if ref.node.startswith(source.split(":")[0] + "/tfpolicy/as_"):
-                copies.setdefault(source.split(":")[0], []).append(ref.node)
         outputs = {ref.node for ref in graph.outputs.values()}
-        for name, made in copies.items():
+        for name, made in self._constant_copies.items():
             original = TensorRef(name)
             if len(made) != 1 or name in outputs or graph.uses(original) or made[0] in outputs:
                 continue
@@ -385,6 +382,7 @@ class FloatPrecisionPass:
             device=const.device,
         )
         self.stats.retyped[self._layer(const)] += 1
+        self._constant_copies.setdefault(const.name, []).append(copy.name)
         return TensorRef(copy.name)
 
 
