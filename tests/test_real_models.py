@@ -126,8 +126,7 @@ def test_bert_under_mixed_float16_with_a_padding_mask_stays_finite(real_zoo, tmp
     y_tool = realmodels.run_saved_model(tmp_path / "out", model.inputs)
     assert all(np.isfinite(v).all() for v in y_tool.values())
     e_keras = realmodels.relative_error(realmodels.keras_native(model, plain), y_ref)
-    # float16's 10-bit mantissa: Keras's own eager/graph kernels move this by ~10%.
-    assert realmodels.relative_error(y_tool, y_ref) <= QUANTIZED_BOUND * e_keras
+    assert realmodels.relative_error(y_tool, y_ref) <= FLOAT_BOUND * e_keras
 
 
 def test_llama_keeps_rmsnorm_rotary_and_softmax_in_float32(real_zoo):
