@@ -89,3 +89,44 @@ def test_all_float32_map_reproduces_outputs_exactly(zoo, tmp_path, name):
         assert before.keys() == after.keys()
         for name_ in before:
             np.testing.assert_array_equal(after[name_], before[name_])
+
+
+def test_a_key_naming_a_layer_without_a_path_follows_keras(tmp_path):
+    """Keras gives a layer a path when it builds; an Activation is built at
+    construction and has none, so a key naming it reaches nothing there, and the
+    rewrite follows (and says so). An Add builds, has a path, and its key holds."""
+    keras.utils.set_random_seed(3)
+
+    def build():
+        inputs = keras.Input((16,))
+        x = keras.layers.Dense(16, name="d")(inputs)
+        x = keras.layers.Activation("gelu")(keras.layers.Add()([x, inputs]))
+        return keras.Model(inputs, keras.layers.Dense(8, name="e")(x))
+
+    model = build()
+    activation, add = (model.layers[i].name for i in (3, 2))
+    model.export(str(tmp_path / "in"), verbose=False)
+    policy = {"default_policy": "mixed_bfloat16", "policy_map": {activation: "float32", add: "float32"}}
+    report = tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", policy)
+    assert [w for w in report.warnings if "a layer Keras builds at construction" in w and f"'{activation}'" in w]
+    assert activation not in report.plan.layers and report.plan.layers[add].policy == "float32"
+
+    # Built under the map's default, as a model built with ``dtype=pm`` is:
+    # the path-less Activation keeps that policy.
+    keras.config.set_dtype_policy(policy["default_policy"])
+    try:
+        native = build()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    native.set_weights(model.get_weights())
+    assert native.layers[3].path is None and native.layers[2].path == native.layers[2].name
+    pm = tfpolicy.PolicyMap.load(policy).to_keras()
+    for layer in native.layers:  # the names differ from the first copy's: map by position
+        if layer.path:
+            layer.dtype_policy = pm[model.get_layer(index=native.layers.index(layer)).name]
+    x = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
+    y_keras = tf.function(lambda t: native(t, training=False))(tf.constant(x))
+    function = tf.saved_model.load(str(tmp_path / "out")).signatures["serving_default"]
+    (name,) = function.structured_input_signature[1]
+    (y_tool,) = function(**{name: tf.constant(x)}).values()
+    np.testing.assert_array_equal(y_tool.numpy(), np.asarray(y_keras, dtype=np.float32))

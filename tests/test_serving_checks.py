@@ -81,6 +81,10 @@ def test_tf1_check_fails_on_a_model_whose_variables_are_damaged(zoo, tmp_path):
     (damaged / "variables" / "variables.data-00000-of-00001").write_bytes(b"\0" * 8)
     with pytest.raises(ServingCheckError, match="TF1 session loader .* cannot load"):
         serving_checks.run_tf1(damaged)
+    # The rewrite checks a staged copy; its errors name the output the user asked for.
+    with pytest.raises(ServingCheckError, match="cannot load '/models/out'") as raised:
+        serving_checks.run_tf1(damaged, shown_as=pathlib.Path("/models/out"))
+    assert str(damaged) not in str(raised.value)
 
 
 def test_cli_target_tpu_with_float8_fails_with_one_clear_line(zoo, tmp_path):

@@ -106,7 +106,12 @@ def rewrite(
     def check(staged: pathlib.Path) -> None:
         logger.info("serving checks: TF1 session loader, XLA compilation")
         report.serving_checks = run_serving_checks(
-            staged, target=target, data=check_data, integer_limits=state.integer_limits, input_dir=input_path
+            staged,
+            target=target,
+            data=check_data,
+            integer_limits=state.integer_limits,
+            input_dir=input_path,
+            shown_as=output_path,
         )
 
     savedmodel_io.save_atomically(
@@ -143,7 +148,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
     check_target(the_plan, target)
     _refuse_unsupported_modes(the_plan)
     qplan = quant_sites.analyze(model, index, the_plan)
-    warnings = [f"policy map key '{key}' matches no layer" for key in the_plan.unused_keys]
+    warnings = the_plan.unused_key_warnings()
     for name, count in sorted(index.shared_names.items()):
         warnings.append(
             f"{count} distinct variables share the TF name '{name}' (e.g. a subclassed model built by its first"

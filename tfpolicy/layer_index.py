@@ -14,12 +14,21 @@ Other ops take the layer of the longest learnt scope that contains them; ops in
 a While/If body take the layer of the op that calls the body; the last resort
 is plain scope normalisation (:func:`normalize_scope`). Ops outside every layer
 get ``None`` and so the map's default policy, as in Keras.
+
+Keras sets ``layer.path`` when a layer builds, and the layers Keras marks
+built at construction (Activation, Dropout, Softmax, Reshape, pooling: see
+:func:`pathless_layer_names`) never get one, so no map key reaches them in
+Keras. Their ops, found by a scope with the class's default name, take the
+enclosing layer's policy or the default, and the scope is recorded in
+:attr:`LayerIndex.pathless_scopes` so that a key naming it can be explained.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import inspect
 import logging
 import re
 from typing import Iterable, Optional
@@ -139,6 +148,8 @@ class LayerIndex:
         self._node_layer: dict[tuple[str, str, str], Optional[str]] = {}
         self._resources: dict[tuple[str, str], dict[str, int]] = {}
         self.shared_names: dict[str, int] = {}  # TF variable name -> how many distinct variables bear it
+        # Scopes of layers that have no path in Keras -> their op count.
+        self.pathless_scopes: collections.Counter[str] = collections.Counter()
 
     def layer_of(self, signature: str, graph: Graph, node: Node) -> Optional[str]:
         return self._node_layer.get((signature, graph.name, node.name))
@@ -245,7 +256,11 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
         for node in order:
             slot = (key, graph.name, node.name)
             if slot not in index._node_layer:
-                index._node_layer[slot] = _layer_for(node, scopes, caller_layer, model_prefixes, known, graph)
+                layer = _layer_for(node, scopes, caller_layer, model_prefixes, known, graph)
+                if layer is not None and layer not in known and _TRAILING_NUMBERS.sub("", layer) in pathless_layer_names():
+                    index.pathless_scopes[layer] += 1
+                    layer = None
+                index._node_layer[slot] = layer
             layer = index._node_layer[slot]
             for callee, offset in _callees(node):
                 if callee in program.functions:
@@ -257,6 +272,38 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
                         if uid is not None and 0 <= arg_index < len(args):
                             callee_seeds[args[arg_index]] = uid
                     queue.append((program.functions[callee], callee_seeds, layer))
+
+
+_TRAILING_NUMBERS = re.compile(r"(_\d+)+$")
+
+
+@functools.lru_cache(maxsize=None)
+def pathless_layer_names() -> frozenset[str]:
+    """Default names (``dropout``, ``activation``) of the Keras layers that never get a path.
+
+    Keras marks these built in ``__init__`` (``_build_at_init()``, or
+    ``self.built = True``), so the ``build`` wrapper that sets ``layer.path``
+    never runs. Read from Keras's own classes, so that the list follows Keras.
+    """
+    import keras  # noqa: PLC0415
+    from keras.src.utils.naming import to_snake_case  # noqa: PLC0415  (Keras's default-name rule)
+
+    names = set()
+    for attribute in dir(keras.layers):
+        cls = getattr(keras.layers, attribute)
+        if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
+            continue
+        for klass in cls.__mro__:
+            if klass is keras.layers.Layer or "build" in vars(klass):
+                break  # a build() of its own: Keras builds it, and it gets a path
+            try:
+                source = inspect.getsource(vars(klass)["__init__"]) if "__init__" in vars(klass) else ""
+            except (OSError, TypeError):
+                continue
+            if "_build_at_init()" in source or "self.built = True" in source:
+                names.add(to_snake_case(cls.__name__))
+                break
+    return frozenset(names)
 
 
 def _layer_for(node: Node, scopes, caller_layer, model_prefixes, known, graph: Graph) -> Optional[str]:

@@ -62,6 +62,24 @@ def dtype_enum(name: str) -> int:
 class Plan:
     layers: dict[Optional[str], LayerPlan]
     unused_keys: tuple[str, ...]
+    # Unused keys that name layers without a path in Keras: key -> their scopes.
+    pathless_keys: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def unused_key_warnings(self) -> list[str]:
+        """One line per unused key, saying why it reaches nothing."""
+        default = self.layers[None].policy
+        lines = []
+        for key in self.unused_keys:
+            scopes = self.pathless_keys.get(key)
+            if scopes:
+                lines.append(
+                    f"policy map key '{key}' names {', '.join(repr(s) for s in scopes)}, a layer Keras builds at"
+                    f" construction (Activation, Dropout, Softmax, Reshape, pooling): it has no path, so no map key"
+                    f" reaches it, and it computes in the policy of the layer around it or the default ({default})"
+                )
+            else:
+                lines.append(f"policy map key '{key}' matches no layer")
+        return lines
 
     def for_layer(self, path: Optional[str]) -> LayerPlan:
         return self.layers.get(path, self.layers[None])
@@ -83,7 +101,12 @@ def plan(policy_map: PolicyMap, index: LayerIndex, outside_op_count: int = 0) ->
         layers[path] = _layer_plan(policy_map, path, len(info.variables), info.op_count, info.is_normalization)
     layers[None] = _layer_plan(policy_map, None, 0, outside_op_count, False)
     unused = tuple(policy_map.unused_keys(index.paths))
-    return Plan(layers, unused)
+    pathless = {}
+    for key in unused:
+        named = tuple(s for s in sorted(index.pathless_scopes) if policy_map.key_names(key, s))
+        if named:
+            pathless[key] = named
+    return Plan(layers, unused, pathless)
 
 
 def _layer_plan(

@@ -352,6 +352,10 @@ class PolicyMap:
             if key not in path_set and not any(pattern.fullmatch(p) for p in path_set)
         ]
 
+    def key_names(self, key: str, path: str) -> bool:
+        """Whether ``key`` is ``path`` or fully matches it as a regex."""
+        return key == path or bool(self._patterns[key].fullmatch(path))
+
     def to_keras(self) -> KerasPolicyMap:
         """A fresh ``DTypePolicyMap`` with copied policies, safe to mutate."""
         result = KerasPolicyMap(default_policy=copy.deepcopy(self._default))

@@ -200,6 +200,5 @@ class Report:
                 lines.append(f"variables added for {path}: {', '.join(quantized.variables)}")
         if self.calibration_batches:
             lines.append(f"calibrated on {self.calibration_batches} batches")
-        for key in self.plan.unused_keys:
-            lines.append(f"warning: policy map key '{key}' matches no layer")
+        lines.extend(f"warning: {line}" for line in self.plan.unused_key_warnings())
         return "\n".join(lines)

@@ -139,6 +139,7 @@ def run(
     data: Optional[Mapping[str, Mapping[str, np.ndarray]]] = None,
     integer_limits: Optional[Mapping[str, Mapping[str, int]]] = None,
     input_dir: Optional[pathlib.Path] = None,
+    shown_as: Optional[pathlib.Path] = None,
 ) -> ServingChecks:
     """Both checks on the SavedModel at ``saved_model_dir``.
 
@@ -147,6 +148,8 @@ def run(
     (the tables they index), so that the model is checked on inputs it accepts.
     A signature that does not compile under XLA is an error when the same
     signature of ``input_dir`` (the SavedModel before the rewrite) compiles.
+    Errors name ``shown_as`` (the output the user asked for) when the checks
+    run on a staged copy.
 
     Raises :class:`ServingCheckError` when the TF1 loader cannot load or run a
     signature, and, for ``target="tpu"``, when a signature does not compile
@@ -155,7 +158,7 @@ def run(
     check_target_name(target)
     started = time.monotonic()
     feeds = _Feeds(data or {}, integer_limits or {}, seed)
-    tf1 = run_tf1(saved_model_dir, seed=seed, feeds=feeds)
+    tf1 = run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as)
     tf1_seconds = time.monotonic() - started
     started = time.monotonic()
     loaded = tf.saved_model.load(str(saved_model_dir))
@@ -212,7 +215,11 @@ class _Feeds:
 
 
 def run_tf1(
-    saved_model_dir: pathlib.Path, *, seed: int = 0, feeds: Optional[_Feeds] = None
+    saved_model_dir: pathlib.Path,
+    *,
+    seed: int = 0,
+    feeds: Optional[_Feeds] = None,
+    shown_as: Optional[pathlib.Path] = None,
 ) -> dict[str, dict[str, np.ndarray]]:
     """Load with the TF1 session loader and run every SignatureDef by tensor name.
 
@@ -237,11 +244,12 @@ def run_tf1(
                 except tf.errors.OpError as exc:
                     raise ServingCheckError(
                         f"the TF1 session loader (TF Serving's) cannot run signature '{key}' of"
-                        f" '{saved_model_dir}': {_first_line(exc.message)}"
+                        f" '{shown_as or saved_model_dir}': {_first_line(exc.message)}"
                     ) from exc
     except (tf.errors.OpError, RuntimeError, ValueError, OSError) as exc:
         raise ServingCheckError(
-            f"the TF1 session loader (TF Serving's) cannot load '{saved_model_dir}': {_first_line(str(exc))}"
+            f"the TF1 session loader (TF Serving's) cannot load '{shown_as or saved_model_dir}':"
+            f" {_first_line(str(exc))}"
         ) from exc
     return results
 
