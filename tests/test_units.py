@@ -153,3 +153,13 @@ def test_layer_info_recognises_normalization():
     info = layer_index.LayerInfo("ln", [layer_index.VariableInfo("ln/gamma", "ln", F32, (4,), 1), layer_index.VariableInfo("ln/beta", "ln", F32, (4,), 2)])
     assert info.is_normalization
     assert not layer_index.LayerInfo("d", [layer_index.VariableInfo("d/kernel", "d", F32, (4, 4), 3)]).is_normalization
+
+
+def test_remove_if_unused_deletes_a_dead_chain_and_keeps_what_is_read():
+    graph = _tiny_graph()
+    graph.add_node("Cast", "dense/dead_cast", ["dense/w"], {"SrcT": _type(F32), "DstT": _type(types_pb2.DT_HALF)})
+    graph.add_node("Identity", "dense/dead", ["dense/dead_cast"], {"T": _type(types_pb2.DT_HALF)})
+    assert graph.remove_if_unused("dense/dead") == ["dense/dead", "dense/dead_cast"]
+    assert "dense/w" in graph.nodes  # still read by the MatMul
+    assert graph.remove_if_unused("dense/Relu") == []  # read by the output
+    assert graph.remove_if_unused("x") == []  # a graph input stays

@@ -212,6 +212,33 @@ class Graph:
             for position, used in node.data_inputs():
                 self._uses.setdefault(str(used), []).append((node.name, position))
 
+    def remove_if_unused(self, name: str) -> list[str]:
+        """Delete node ``name`` if nothing reads it, then its producers likewise.
+
+        A node is unused when no data or control input names it and it is not
+        an output; stateful and argument nodes are kept. Returns the names removed.
+        """
+        removed: list[str] = []
+        stack = [name]
+        while stack:
+            node = self.nodes.get(stack.pop())
+            if node is None or node.op in ("_Arg", "Placeholder") or tf_names.is_stateful(node.op):
+                continue
+            if any(ref.node == node.name for ref in self.outputs.values()):
+                continue
+            if any(self.uses(TensorRef(node.name, i)) for i in range(len(self.output_dtypes(node)))):
+                continue
+            if any(node.name in other.control_inputs() for other in self.nodes.values()):
+                continue
+            for position, used in node.data_inputs():
+                key = str(used)
+                if self._uses is not None:
+                    self._uses[key] = [u for u in self._uses.get(key, []) if u != (node.name, position)]
+                stack.append(used.node)
+            del self.nodes[node.name]
+            removed.append(node.name)
+        return removed
+
     def add_const(self, name: str, value: "np.ndarray", device: str = "") -> Node:
         """A ``Const`` node holding ``value`` (its dtype and shape)."""
         import numpy as np  # noqa: PLC0415

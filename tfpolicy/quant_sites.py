@@ -34,6 +34,7 @@ from tfpolicy.graph import Graph, Node
 from tfpolicy.layer_index import LayerIndex, VariableInfo
 from tfpolicy.plan import Plan
 from tfpolicy.savedmodel_io import LoadedModel
+from tfpolicy.tf_names import TensorRef
 from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,31 @@ FLOAT8_KINDS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMul
 
 
 @dataclasses.dataclass(frozen=True)
+class IntegerMatmul:
+    """How an int8 site runs as one integer matmul, int8 x int8 -> int32.
+
+    The input is quantized per token to int8 and multiplied with the int8
+    kernel variable itself, as Keras's quantized Dense and EinsumDense do. An
+    einsum ``<prefix><contracted>,<contracted><free>-><prefix><free>`` is
+    that matmul with the contracted and free axes each flattened into one.
+    """
+
+    transpose_kernel: bool  # the kernel is (free, contracted): MatMul's transpose_b, adj_y
+    contracted: tuple[int, ...]  # sizes of the kernel's contracted axes
+    free: tuple[int, ...]  # sizes of its output axes
+    prefix_rank: Optional[int]  # einsum: input axes before the contracted ones; None for a matmul
+    # Matmuls: the Transpose/Reshape/ExpandDims steps from the variable to the operand,
+    # replayed on the int8 kernel; and the order of the (flattened) channel scales
+    # along the operand's columns when it is not the variable's own.
+    kernel_layout: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    scale_order: Optional[tuple[int, ...]] = None
+
+    @property
+    def form(self) -> str:
+        return "integer matmul"
+
+
+@dataclasses.dataclass(frozen=True)
 class Site:
     """One op to quantize, in one graph of one signature."""
 
@@ -162,6 +188,19 @@ class Site:
     variable_uid: int
     read_node: str  # the ReadVariableOp (or the ResourceGather itself)
     kernel_reduced_axes: tuple[int, ...]  # in the variable's frame, non-negative
+    integer: Optional[IntegerMatmul] = None  # int8 contractions that run on integers
+    simulated: str = ""  # why an int8 contraction is not integer: its kernel is dequantized before it
+
+    @property
+    def form(self) -> str:
+        """What the output runs at this site, for reports."""
+        if self.contraction.kind == "gather":
+            return "int8 rows gathered"
+        if self.integer is not None:
+            return self.integer.form
+        if self.mode == "int8":
+            return f"dequantized kernel ({self.simulated})"
+        return "float8 quantize-dequantize"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,8 +343,92 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
             return decline(f"kernel '{info.name}' is {tf_names.dtype_name(info.dtype)}, not float32")
         if axes is None:
             return decline(f"the kernel reaches {node.op} through a reshape that mixes contracted and output axes")
-        return Site(signature, graph.name, node.name, node.op, layer, mode, contraction, info.uid, read_node, axes)
+        site = Site(signature, graph.name, node.name, node.op, layer, mode, contraction, info.uid, read_node, axes)
+        if mode == "int8" and contraction.kind == "matmul":
+            integer = integer_matmul(graph, node, site, info.shape)
+            site = dataclasses.replace(site, **(
+                {"integer": integer} if isinstance(integer, IntegerMatmul) else {"simulated": integer}))
+        return site
     return decline("kernel not a variable (no operand reads one of the layer's variables)")
+
+
+MATMUL_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
+
+def integer_matmul(graph: Graph, node: Node, site: Site, kernel_shape) -> "IntegerMatmul | str":
+    """The integer form of an int8 contraction, or why it has none."""
+    if node.op not in MATMUL_OPS and node.op != "Einsum":
+        return f"TensorFlow has no integer {node.op}"
+    if site.contraction.kernel_position != 1:
+        return "the kernel is the first operand"
+    layout = _kernel_layout(graph, dict(node.data_inputs())[1], site.read_node)
+    if isinstance(layout, str):
+        return layout
+    shape = tuple(int(d) for d in kernel_shape)
+    if node.op == "Einsum":
+        return _integer_einsum(node, shape) if not layout else "the einsum's kernel is reshaped"
+    if _attr_bool(node, "transpose_a" if node.op == "MatMul" else "adj_x"):
+        return "the input is transposed"
+    transposed = _attr_bool(node, "transpose_b" if node.op == "MatMul" else "adj_y")
+    # Follow each output channel's scale through the layout ops: ids[k, n] is the
+    # channel (in the variable's frame) whose scale column n of the operand needs.
+    free_shape = tuple(1 if a in site.kernel_reduced_axes else d for a, d in enumerate(shape))
+    ids = np.broadcast_to(np.arange(int(np.prod(free_shape))).reshape(free_shape), shape)
+    for op, operand in layout:
+        ids = _apply_layout(ids, op, operand)
+    if ids.ndim != 2:
+        return f"a rank-{ids.ndim} kernel"
+    ids = ids.T if transposed else ids
+    if not (ids == ids[:1]).all():
+        return "its per-channel scales do not follow the output columns"
+    order = tuple(int(i) for i in ids[0])
+    return IntegerMatmul(
+        transposed, (ids.shape[0],), (ids.shape[1],), None, layout,
+        None if order == tuple(range(len(order))) else order,
+    )
+
+
+def _kernel_layout(graph: Graph, operand: TensorRef, read_node: str):
+    """The layout steps ``(op, operand)`` from the kernel's read to ``operand``, read first."""
+    steps = []
+    producer = graph.producer(operand)
+    while producer.name != read_node:
+        if producer.op not in LAYOUT_OPS:
+            return f"the kernel reaches it through {producer.op}"
+        if producer.op in ("Transpose", "Reshape", "ExpandDims"):
+            value = _const_input(graph, producer, 1)
+            if value is None:
+                return f"the kernel reaches it through a {producer.op} of computed shape"
+            steps.append((producer.op, tuple(int(v) for v in np.asarray(value).reshape(-1))))
+        producer = graph.producer(next(iter(producer.data_inputs()))[1])
+    return tuple(reversed(steps))
+
+
+def _apply_layout(array: np.ndarray, op: str, operand: tuple[int, ...]) -> np.ndarray:
+    if op == "Transpose":
+        return np.transpose(array, operand)
+    if op == "Reshape":
+        return np.reshape(array, operand)
+    return np.expand_dims(array, operand[0])
+
+
+def _integer_einsum(node: Node, shape: tuple[int, ...]) -> "IntegerMatmul | str":
+    equation = node.attrs["equation"].s.decode().replace(" ", "")
+    (x_term, k_term), output = equation.split("->")[0].split(","), equation.split("->")[1]
+    contracted = "".join(c for c in k_term if c not in output)
+    prefix, free = x_term[: len(x_term) - len(contracted)], k_term[len(contracted) :]
+    if (
+        not contracted
+        or len(set(x_term)) != len(x_term)
+        or len(set(k_term)) != len(k_term)
+        or set(x_term) & set(k_term) != set(contracted)
+        or not x_term.endswith(contracted)
+        or not k_term.startswith(contracted)
+        or output != prefix + free
+        or len(shape) != len(k_term)
+    ):
+        return f"equation {equation!r} is not <batch><contracted>,<contracted><out>-><batch><out>"
+    return IntegerMatmul(False, shape[: len(contracted)], shape[len(contracted) :], len(prefix))
 
 
 def _describe(node: Node) -> str:

@@ -39,7 +39,8 @@ class QuantizedLayer:
     declined: dict[str, int]  # reason -> count
     variables: list[str]
     scales: dict[str, tuple[float, float]]  # variable name -> (min, max)
-    quantized_ops: list[str] = dataclasses.field(default_factory=list)  # "signature: node (op)"
+    quantized_ops: list[str] = dataclasses.field(default_factory=list)  # "signature: node (op, form)"
+    forms: dict[str, int] = dataclasses.field(default_factory=dict)  # what the ops run as -> count
     declined_ops: list[dict] = dataclasses.field(default_factory=list)  # node, op, reason
 
     def summary(self) -> str:
@@ -50,6 +51,7 @@ class QuantizedLayer:
                                else f"{name.rsplit('/', 1)[-1]} {lo:.3g}" for name, (lo, hi) in self.scales.items())
             ops = "op" if self.ops_quantized == 1 else "ops"
             text = f"{self.mode}: {self.ops_quantized} {ops} quantized ({ranges})"
+            text += "; " + ", ".join(f"{form} x{n}" for form, n in sorted(self.forms.items()))
         if self.declined:
             text += "; declined: " + "; ".join(f"{n} x {reason}" for reason, n in sorted(self.declined.items()))
         return text
@@ -67,7 +69,9 @@ def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: Mappi
         return layers.setdefault(path, QuantizedLayer(path, mode, quantized.get(path, 0), {}, [], {}))
 
     for site in qplan.sites:
-        row(site.layer, site.mode).quantized_ops.append(f"{site.signature}: {site.node} ({site.op})")
+        entry = row(site.layer, site.mode)
+        entry.quantized_ops.append(f"{site.signature}: {site.node} ({site.op}, {site.form})")
+        entry.forms[site.form] = entry.forms.get(site.form, 0) + 1
     for declined in qplan.declined:
         entry = row(declined.layer, declined.mode)
         entry.declined[declined.reason] = entry.declined.get(declined.reason, 0) + 1

@@ -91,6 +91,12 @@ def op_def(op_type: str) -> Optional[op_def_pb2.OpDef]:
     return op_def_registry.get(op_type)
 
 
+def is_stateful(op_type: str) -> bool:
+    """Whether ``op_type`` has effects beyond its outputs (a stateful op, or a function call)."""
+    definition = op_def(op_type)
+    return definition is None or definition.is_stateful
+
+
 @dataclasses.dataclass(frozen=True)
 class ArgSlot:
     """How one OpDef argument expands into flat tensors."""

@@ -10,10 +10,20 @@ int8, kernel stored as int8 and dequantized where it is read::
     ReadVariableOp(kernel):f32 -> ...          becomes
     ReadVariableOp(kernel):int8 -> Cast(f32) -> RealDiv(kernel_scale) -> ...
 
-int8, input quantized per token along the contracted axis (``s`` a multiplier)::
+int8 matmuls and einsums run on integers, as Keras's quantized Dense and
+EinsumDense do (``s`` the per-token multiplier, ``k`` the kernel's per-channel one)::
 
-    x -> MatMul    becomes    x -> Mul(s) -> Round -> ClipByValue(+-127) -> RealDiv(s) -> MatMul
+    x -> MatMul(kernel)    becomes
+    x -> Mul(s) -> Round -> ClipByValue(+-127) -> Cast(int8) -+
+                              ReadVariableOp(kernel):int8 ----+-> BatchMatMulV3(int32) -> Cast -> RealDiv(k * s)
          s = 127 / (Max(Abs(x), contracted axes, keep_dims) + 1e-7)
+
+An einsum ``<batch><contracted>,<contracted><out>`` flattens its contracted
+and output axes around that matmul. Other int8 contractions (convolutions,
+for which TensorFlow has no integer kernel) read the dequantized kernel and a
+quantize-dequantized input::
+
+    x -> Conv2D    becomes    x -> Mul(s) -> Round -> ClipByValue(+-127) -> RealDiv(s) -> Conv2D
 
 int8 embedding lookups gather int8 rows and their scales, then divide.
 
@@ -43,6 +53,10 @@ from tfpolicy.quant_sites import Float8Group, Int8Kernel, QuantPlan, Site
 from tfpolicy.tf_names import TensorRef
 from tfpolicy.tf_names import bool_attr as _bool
 from tfpolicy.tf_names import type_attr as _type
+
+
+def _int(value: int) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(i=value)
 
 logger = logging.getLogger(__name__)
 
@@ -140,21 +154,29 @@ class QuantizePass:
         self._reads: dict[str, TensorRef] = {}
         self._scales: dict[tuple[str, int], TensorRef] = {}
         self._qdq: dict[tuple, TensorRef] = {}
+        self._tokens: dict[str, tuple[TensorRef, TensorRef]] = {}  # input -> (int8 values, scale)
+        self._int8_consumers: set[str] = set()  # nodes that read an int8 kernel as int8
         self._taps: dict[tuple, CalibrationTap] = {}
 
     def run(self) -> QuantizeResult:
         sites = sorted(self.qplan.sites_in(self.signature, self.graph.name), key=lambda s: s.node)
-        gather_sites = {s.node for s in sites if s.contraction.kind == "gather"}
+        self._int8_consumers.update(s.node for s in sites if s.contraction.kind == "gather")
         reads: dict[int, list[Node]] = {}
         for node in list(self.graph.nodes.values()):
             info = self.index.variable_read_by(self.signature, self.graph, node) if node.op == "ReadVariableOp" else None
             if info is not None and info.uid in self.qplan.int8_kernels:
                 reads.setdefault(info.uid, []).append(node)
+        # Integer sites first, so that the float reads of their kernels fall unused.
+        for site in sites:
+            if site.integer is not None:
+                self._integer_matmul(site)
         for kernel in sorted(self.qplan.int8_kernels.values(), key=lambda k: k.name):
-            self._store_int8(kernel, reads.get(kernel.uid, []), gather_sites)
+            self._store_int8(kernel, reads.get(kernel.uid, []), self._int8_consumers)
         self._retype_kernel_arguments()
         for site in sites:
-            if site.contraction.kind == "gather":
+            if site.integer is not None:
+                pass  # rewritten above
+            elif site.contraction.kind == "gather":
                 self._gather(site, self.qplan.int8_kernels[site.variable_uid])
             elif site.mode == "int8":
                 self._int8_input(site)
@@ -228,16 +250,95 @@ class QuantizePass:
 
     # -- int8 ------------------------------------------------------------------------
 
-    def _store_int8(self, kernel: Int8Kernel, reads: list[Node], gather_sites: set[str]) -> None:
-        """Every read of the kernel reads int8 and is dequantized with its scale."""
+    def _store_int8(self, kernel: Int8Kernel, reads: list[Node], int8_consumers: set[str]) -> None:
+        """Every read of the kernel reads int8; consumers other than ``int8_consumers`` read it dequantized."""
         for read in reads:
             read.attrs["dtype"] = _type(INT8)
-            users = [(c, p) for c, p in self.graph.uses(TensorRef(read.name)) if c not in gather_sites]
+            users = [(c, p) for c, p in self.graph.uses(TensorRef(read.name)) if c not in int8_consumers]
             if not users:
                 continue
             value = self._dequantize(TensorRef(read.name), kernel, f"{read.name}/tfpolicy/dequantize")
             for consumer, position in users:
                 self.graph.replace_input(self.graph.nodes[consumer], position, value)
+
+    def _integer_matmul(self, site: Site) -> None:
+        """The site becomes int8 x int8 -> int32, then Keras's rescale (see the module doc)."""
+        node = self.graph.nodes[site.node]
+        form = site.integer
+        inputs = dict(node.data_inputs())
+        x, old_kernel = inputs[0], inputs[1]
+        dtype = self.graph.tensor_dtype(x)
+        T = _type(dtype)
+        base = f"{site.node}/tfpolicy/int8"
+        contracted, free = int(np.prod(form.contracted)), int(np.prod(form.free))
+        if form.prefix_rank is not None and len(form.contracted) > 1:  # einsum: flatten the contracted axes
+            x = self.op("Reshape", f"{base}/flatten_input", [x, self._leading_shape(inputs[0], form.prefix_rank, [contracted], base)],
+                        T=T, Tshape=_type(INT32))
+        xq, input_scale = self._quantize_per_token(x, dtype)
+        kernel = TensorRef(site.read_node)  # the int8 variable itself, in the op's layout
+        for step, (op, operand) in enumerate(form.kernel_layout):
+            attrs = {"Transpose": {"Tperm": _type(INT32)}, "Reshape": {"Tshape": _type(INT32)}}.get(op, {"Tdim": _type(INT32)})
+            operand = operand[0] if op == "ExpandDims" else list(operand)
+            kernel = self.op(op, f"{base}/kernel_{step}", [kernel, self.const(f"{base}/kernel_{step}_operand", operand, INT32)],
+                             T=_type(INT8), **attrs)
+        if form.prefix_rank is not None and (len(form.contracted) > 1 or len(form.free) > 1):
+            kernel = self.op("Reshape", f"{base}/kernel_2d", [kernel, self.const(f"{base}/kernel_2d_shape", [contracted, free], INT32)],
+                             T=_type(INT8), Tshape=_type(INT32))
+        product = self.op("BatchMatMulV3", f"{base}/matmul", [xq, kernel], Ta=_type(INT8), Tb=_type(INT8),
+                          Tout=_type(INT32), adj_x=_bool(False), adj_y=_bool(form.transpose_kernel))
+        self._int8_consumers.add(kernel.node if kernel.node != site.read_node else product.node)
+        as_float = self.op("Cast", f"{base}/cast", [product], SrcT=_type(INT32), DstT=T, Truncate=_bool(False))
+        scale_name = self.qplan.int8_kernels[site.variable_uid].scale_name
+        kernel_scale = self.scale_as(scale_name, dtype)  # one per output channel, in the variable's frame
+        if self.variables[scale_name].value.ndim != 1:
+            kernel_scale = self.op("Reshape", f"{base}/kernel_scale", [kernel_scale, self.const(f"{base}/free", [free], INT32)],
+                                   T=T, Tshape=_type(INT32))
+        if form.scale_order is not None:
+            kernel_scale = self.op("GatherV2", f"{base}/kernel_scale_columns", [
+                kernel_scale, self.const(f"{base}/columns", list(form.scale_order), INT32), self.const(f"{base}/axis0", 0, INT32)],
+                Tparams=T, Tindices=_type(INT32), Taxis=_type(INT32), batch_dims=_int(0))
+        output_scale = self.op("Mul", f"{base}/output_scale", [kernel_scale, input_scale], T=T)
+        if len(form.free) > 1:  # einsum: unflatten the output axes
+            divided = self.op("RealDiv", f"{base}/rescale", [as_float, output_scale], T=T)
+            shape = self._leading_shape(inputs[0], form.prefix_rank, list(form.free), base + "/output")
+            self.graph.redefine(node, "Reshape", [str(divided), str(shape)], {"T": T, "Tshape": _type(INT32)})
+        else:
+            self.graph.redefine(node, "RealDiv", [str(as_float), str(output_scale)], {"T": T})
+        self.graph.remove_if_unused(old_kernel.node)
+
+    def _quantize_per_token(self, x: TensorRef, dtype: int) -> tuple[TensorRef, TensorRef]:
+        """Keras's ``abs_max_quantize`` along the last axis: ``(int8 values, scale)``, shared per input."""
+        key = str(x)
+        if key not in self._tokens:
+            base = f"{x.node}/tfpolicy/int8_tokens"
+            T = _type(dtype)
+            amax = self.op("Max", f"{base}/amax", [self.op("Abs", f"{base}/abs", [x], T=T),
+                                                     self.const(f"{base}/axis", [-1], INT32)],
+                           T=T, Tidx=_type(INT32), keep_dims=_bool(True))
+            scale = self.op("RealDiv", f"{base}/scale", [
+                self.const(f"{base}/range", quant_math.INT8_RANGE, dtype),
+                self.op("AddV2", f"{base}/amax_eps", [amax, self.const(f"{base}/epsilon", quant_math.EPSILON, dtype)], T=T),
+            ], T=T)
+            rounded = self.op("Round", f"{base}/round", [self.op("Mul", f"{base}/scaled", [x, scale], T=T)], T=T)
+            clipped = self.op("ClipByValue", f"{base}/clip", [
+                rounded, self.const(f"{base}/min", -quant_math.INT8_RANGE, dtype),
+                self.const(f"{base}/max", quant_math.INT8_RANGE, dtype)], T=T)
+            q = self.op("Cast", f"{base}/to_int8", [clipped], SrcT=T, DstT=_type(INT8), Truncate=_bool(False))
+            self._tokens[key] = (q, scale)
+        return self._tokens[key]
+
+    def _leading_shape(self, x: TensorRef, rank: int, tail: list[int], base: str) -> TensorRef:
+        """``concat(shape(x)[:rank], tail)``: a reshape target that keeps x's leading (dynamic) axes."""
+        dtype = _type(self.graph.tensor_dtype(x))
+        shape = self.op("Shape", f"{base}/shape", [x], T=dtype, out_type=_type(INT32))
+        lead = self.op("StridedSlice", f"{base}/leading", [
+            shape, self.const(f"{base}/begin", [0], INT32), self.const(f"{base}/end", [rank], INT32),
+            self.const(f"{base}/strides", [1], INT32)],
+            T=_type(INT32), Index=_type(INT32), begin_mask=_int(0), end_mask=_int(0), ellipsis_mask=_int(0),
+            new_axis_mask=_int(0), shrink_axis_mask=_int(0))
+        return self.op("ConcatV2", f"{base}/target", [lead, self.const(f"{base}/tail", tail, INT32),
+                                                      self.const(f"{base}/concat_axis", 0, INT32)],
+                       N=_int(2), T=_type(INT32), Tidx=_type(INT32))
 
     def _dequantize(self, q: TensorRef, kernel: Int8Kernel, name: str) -> TensorRef:
         keepdims = list(self.variables[kernel.name].value.shape)
