@@ -4,6 +4,7 @@
                           [--ffn 3072] [--depths 2,4,8,12] [--workdir DIR]
                           [--json OUT] [--repeat N] [--profile DEPTH]
                           [--policy mixed_bfloat16] [--no_serving_checks]
+                          [--serving float32,int8_from_float32,...]
 
 For each depth in ``--depths`` (plus ``--depth``) it builds, once and in its own
 subprocess, a float32 Keras 3 Functional transformer encoder and exports it
@@ -35,6 +36,12 @@ of user+system CPU seconds of the timed work in those fastest runs.
 Peak RSS includes the imported libraries in both cases. Exports are kept in
 ``--workdir`` (keyed by the model's shape) and reused on later runs with the
 same workdir; rewritten outputs are deleted after each measurement.
+
+``--serving POLICIES`` measures what the outputs cost to serve instead: for
+each policy (``float32`` is the input itself), the output's size and its
+best-of-5 latency on one batch under ``jit_compile=True``, all in one process,
+and the dot and convolution ops of its XLA HLO, counting those on ``s8``
+(int8) operands.
 
 ``--profile DEPTH`` also runs ``tfpolicy.rewrite`` under cProfile at that depth
 in a subprocess and prints the top functions by cumulative time.
@@ -179,7 +186,54 @@ def child_profile(args) -> dict:
             "tottime": tot_text.getvalue()}
 
 
-CHILDREN = {"export": child_export, "floor": child_floor, "tfpolicy": child_tfpolicy, "profile": child_profile}
+def child_serving(args) -> dict:
+    """Each policy's output: its size, its XLA latency on one batch, and its HLO's dots by operand type."""
+    import re
+
+    import numpy as np
+    import tensorflow as tf
+
+    import tfpolicy
+    import tfpolicy.api
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for policy in args.policies.split(","):
+        out = pathlib.Path(args.out) / policy
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if policy == "float32":
+            directory = pathlib.Path(args.input)
+        else:
+            tfpolicy.rewrite(args.input, out, {"default_policy": policy}, serving_checks=False)
+            directory = out
+        loaded = tf.saved_model.load(str(directory))
+        function = loaded.signatures["serving_default"]
+        (name, spec), = function.structured_input_signature[1].items()
+        shape = [args.batch if d is None else d for d in spec.shape]
+        x = tf.constant(rng.standard_normal(shape).astype(np.float32))
+        compiled = tf.function(lambda t: function(**{name: t}), jit_compile=True)
+        hlo = compiled.experimental_get_compiler_ir(x)(stage="hlo")
+        dots = [line for line in hlo.splitlines() if re.search(r" (dot|convolution)\(", line)]
+        compiled(x)  # compile once
+        times = []
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            next(iter(compiled(x).values())).numpy()
+            times.append(time.perf_counter() - t0)
+        rows.append({
+            "policy": policy, "output_bytes": _directory_bytes(directory),
+            "variables_bytes": _directory_bytes(directory / "variables"),
+            "xla_seconds": min(times), "all_xla_seconds": times,
+            "dots": len(dots), "s8_dots": sum(1 for line in dots if "s8[" in line.split("=", 1)[1]),
+        })
+        del loaded, function, compiled
+        shutil.rmtree(out, ignore_errors=True)
+    return {"rows": rows}
+
+
+CHILDREN = {"export": child_export, "floor": child_floor, "tfpolicy": child_tfpolicy, "profile": child_profile,
+            "serving": child_serving}
 
 
 def child_main(argv: list[str]) -> int:
@@ -193,6 +247,9 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--pstats")
     parser.add_argument("--policy", default=DEFAULT_POLICY)
     parser.add_argument("--serving_checks", type=int, default=1)
+    parser.add_argument("--policies", default="")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args(argv)
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -317,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="time tfpolicy.rewrite(..., serving_checks=False): no TF1 load or XLA lowering of the output")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure each case N times, alternating, and keep the fastest (default 1)")
+    parser.add_argument("--serving", default=None, metavar="POLICIES",
+                        help="instead of timing the rewrite, serve the depth --depth output of each comma-separated"
+                             " policy (float32 = the input) under jit_compile=True: size, best-of-5 latency on one"
+                             " batch of 8, and the dots of its XLA HLO (s8 = integer)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -338,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     _progress(f"policy {args.policy}; workdir {workdir}; depths {depths}; width {shape['width']} heads {shape['heads']}"
               f" seq {shape['seq']} ffn {shape['ffn']}; {os.cpu_count()} CPUs")
     started = time.perf_counter()
+    if args.serving:
+        try:
+            return _serving(args, workdir, shape, started)
+        finally:
+            if temp is not None:
+                temp.cleanup()
     try:
         rows = []
         for depth in depths:
@@ -392,6 +459,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if temp is not None:
             temp.cleanup()
+    return 0
+
+
+def _serving(args, workdir: pathlib.Path, shape: dict, started: float) -> int:
+    export, params = ensure_export(workdir, args.depth, shape)
+    _progress(f"depth {args.depth}: serving {args.serving} under XLA ...")
+    result = run_child("serving", input=export, out=workdir / "out" / "serving", policies=args.serving)
+    lines = [("policy", "output MB", "variables MB", "XLA ms (batch 8)", "dots", "s8 dots")]
+    for r in result["rows"]:
+        lines.append((r["policy"], f"{r['output_bytes'] / 1e6:.0f}", f"{r['variables_bytes'] / 1e6:.0f}",
+                      f"{r['xla_seconds'] * 1e3:.0f}", str(r["dots"]), str(r["s8_dots"])))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    table = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    print(f"\ndepth {args.depth} ({params:,} params), {os.cpu_count()} CPUs:\n" + "\n".join(table))
+    if args.json:
+        args.json.write_text(json.dumps({"shape": shape, "depth": args.depth, "params": params, "cpus": os.cpu_count(),
+                                         "total_seconds": time.perf_counter() - started, **result}, indent=2) + "\n")
     return 0
 
 
