@@ -109,3 +109,28 @@ def test_timing_is_recorded_per_check(zoo, tmp_path):
     checks = serving_checks.run(pathlib.Path(zoo.get("keras3_transformer").saved_model_dir))
     assert checks.tf1_seconds > 0 and checks.xla_seconds > 0
     assert all(s.xla_compiles for s in checks.signatures)
+
+
+def _meta_graph(saved_model_dir: pathlib.Path):
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel.FromString((saved_model_dir / "saved_model.pb").read_bytes())
+    return proto.meta_graphs[0]
+
+
+def test_signatures_that_compute_the_same_are_checked_once(zoo, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    tfpolicy.rewrite(zoo.get("keras3_mlp").saved_model_dir, out, BF16, serving_checks=False)
+    digests = serving_checks.computations(_meta_graph(out))
+    assert digests["serve"] == digests["serving_default"]  # Keras's two wrappers of one function
+    # tf.Module signatures that compute different things stay apart.
+    distinct = serving_checks.computations(_meta_graph(pathlib.Path(zoo.get("tf_module").saved_model_dir)))
+    assert distinct["decode"] != distinct["serving_default"]
+
+    compiled = []
+    original = serving_checks.compile_xla
+    monkeypatch.setattr(serving_checks, "compile_xla", lambda *a, **k: compiled.append(a[1]) or original(*a, **k))
+    checks = serving_checks.run(out)
+    assert [(s.signature, s.tf1_ran, s.xla_compiles) for s in checks.signatures] == [
+        ("serve", True, True), ("serving_default", True, True)]
+    assert compiled == ["serve"]

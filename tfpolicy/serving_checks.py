@@ -18,6 +18,7 @@ float16, float8 or float64, so a plan that uses them is refused before any work.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import pathlib
 import re
@@ -158,14 +159,17 @@ def run(
     check_target_name(target)
     started = time.monotonic()
     feeds = _Feeds(data or {}, integer_limits or {}, seed)
-    tf1 = run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as)
+    tf1, digests = _run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as)
     tf1_seconds = time.monotonic() - started
     started = time.monotonic()
     loaded = tf.saved_model.load(str(saved_model_dir))
-    xla = {
-        key: compile_xla(saved_model_dir, key, fn, seed=seed, feeds=feeds)
-        for key, fn in sorted(loaded.signatures.items())
-    }
+    xla: dict[str, tuple[bool, tuple[str, ...], str]] = {}
+    compiled: dict[str, tuple[bool, tuple[str, ...], str]] = {}  # computation digest -> outcome
+    for key, fn in sorted(loaded.signatures.items()):
+        digest = digests.get(key, key)
+        if digest not in compiled:
+            compiled[digest] = compile_xla(saved_model_dir, key, fn, seed=seed, feeds=feeds)
+        xla[key] = compiled[digest]
     checks = ServingChecks(
         target,
         tuple(
@@ -214,6 +218,62 @@ class _Feeds:
         )
 
 
+_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
+def computations(meta_graph: Any) -> dict[str, str]:
+    """Signature key -> a digest of what it computes, equal for signatures that compute the same.
+
+    Keras exports ``serve`` and ``serving_default`` as two wrappers of one
+    function, which the rewrite keeps alike: the checks run each distinct
+    computation once. The digest covers the inputs' names, dtypes and shapes,
+    and for each output the function that produces it (by content, the
+    functions it calls included) and what that call is fed.
+    """
+    library = {f.signature.name: f for f in meta_graph.graph_def.library.function}
+    nodes = {n.name: n for n in meta_graph.graph_def.node}
+    memo: dict[str, str] = {}
+    digests = {}
+    for key, signature in meta_graph.signature_def.items():
+        fed = {info.name.split(":")[0]: f"<{name}>" for name, info in signature.inputs.items()}
+        digest = hashlib.sha256()
+        for name, info in sorted(signature.inputs.items()):
+            digest.update(f"input {name} {info.dtype} {info.tensor_shape}\n".encode())
+        for name, info in sorted(signature.outputs.items()):
+            node_name, _, index = info.name.partition(":")
+            node = nodes.get(node_name)
+            if node is None or node.op not in _CALL_OPS:  # not a function call: only itself is the same
+                digest.update(f"output {name} {info.name}\n".encode())
+                continue
+            feeds = " ".join(fed.get(i.split(":")[0], i) for i in node.input)
+            function = _function_digest(node.attr["f"].func.name, library, memo)
+            digest.update(f"output {name} {index} {function} {feeds}\n".encode())
+        digests[key] = digest.hexdigest()
+    return digests
+
+
+def _function_digest(name: str, library: Mapping[str, Any], memo: dict[str, str]) -> str:
+    """A digest of FunctionDef ``name`` without its own name, callees by their digests."""
+    if name not in memo:
+        if name not in library:
+            return name  # a registered op, not a function
+        function = type(library[name])()
+        function.CopyFrom(library[name])
+        function.signature.name = ""
+        for attrs in function.arg_attr.values():  # names the capturing graph chose
+            attrs.attr.pop("_user_specified_name", None)
+        for node in function.node_def:
+            for value in node.attr.values():
+                if value.HasField("func"):
+                    value.func.name = _function_digest(value.func.name, library, memo)
+                for callee in value.list.func:
+                    callee.name = _function_digest(callee.name, library, memo)
+            if node.op in library:
+                node.op = _function_digest(node.op, library, memo)
+        memo[name] = hashlib.sha256(function.SerializeToString(deterministic=True)).hexdigest()
+    return memo[name]
+
+
 def run_tf1(
     saved_model_dir: pathlib.Path,
     *,
@@ -225,16 +285,34 @@ def run_tf1(
 
     Returns signature key -> output key -> value. This is TF Serving's path:
     ``LoadSavedModel`` with tag ``serve``, then ``Session::Run`` on the tensor
-    names the SignatureDef lists.
+    names the SignatureDef lists. Signatures that compute the same (see
+    :func:`computations`) run once and share their values.
     """
+    return _run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as)[0]
+
+
+def _run_tf1(
+    saved_model_dir: pathlib.Path,
+    *,
+    seed: int,
+    feeds: Optional[_Feeds],
+    shown_as: Optional[pathlib.Path],
+) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, str]]:
+    """:func:`run_tf1`, and the signatures' computation digests."""
     graph = tf.Graph()
     results: dict[str, dict[str, np.ndarray]] = {}
     try:
         with tf.compat.v1.Session(graph=graph) as session, deprecation.silence():
             meta_graph = tf.compat.v1.saved_model.loader.load(session, [SERVE_TAG], str(saved_model_dir))
+            digests = computations(meta_graph)
+            first: dict[str, str] = {}  # digest -> the signature that ran it
             for key in sorted(meta_graph.signature_def):
                 if key.startswith("__"):  # __saved_model_init_op
                     continue
+                if digests[key] in first:
+                    results[key] = results[first[digests[key]]]
+                    continue
+                first[digests[key]] = key
                 signature = meta_graph.signature_def[key]
                 specs = {name: _spec_of(info) for name, info in signature.inputs.items()}
                 values = (feeds or _Feeds({}, {}, seed)).for_specs(key, specs)
@@ -251,7 +329,7 @@ def run_tf1(
             f"the TF1 session loader (TF Serving's) cannot load '{shown_as or saved_model_dir}':"
             f" {_first_line(str(exc))}"
         ) from exc
-    return results
+    return results, digests
 
 
 def _spec_of(info: Any) -> tf.TensorSpec:
