@@ -189,6 +189,7 @@ class Site:
     read_node: str  # the ReadVariableOp (or the ResourceGather itself)
     kernel_reduced_axes: tuple[int, ...]  # in the variable's frame, non-negative
     integer: Optional[IntegerMatmul] = None  # int8 contractions that run on integers
+    compute_dtype: int = types_pb2.DT_FLOAT  # the layer's
     simulated: str = ""  # why an int8 contraction is not integer: its kernel is dequantized before it
 
     @property
@@ -273,6 +274,8 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan) -> QuantPlan:
                 if node.op in ("GatherV2", "ResourceGather") and not _gathers_floats(node):
                     continue  # a shape or index lookup, not an embedding
                 found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index, bodies)
+                if isinstance(found, Site):
+                    found = dataclasses.replace(found, compute_dtype=layer_plan.compute_enum)
                 (sites if isinstance(found, Site) else declined).append(found)
     sites, more_declined = _check_variables(model, index, sites)
     declined.extend(more_declined)

@@ -363,12 +363,22 @@ class QuantizePass:
             rows = self.op("ResourceGather", f"{base}/int8_rows", inputs, **{**node.attrs, "dtype": _type(INT8)})
             scales = self.op("ResourceGather", f"{base}/row_scales", [TensorRef(self.handle(kernel.scale_name)), indices],
                              **{**node.attrs, "dtype": _type(F32)})
-        as_float = self.op("Cast", f"{base}/cast", [rows], SrcT=_type(INT8), DstT=_type(F32), Truncate=_bool(False))
+        # In the layer's compute dtype, as Keras's int8 Embedding divides.
+        output_dtype, dtype = self.graph.output_dtypes(node)[0], site.compute_dtype
+        T = _type(dtype)
+        as_float = self.op("Cast", f"{base}/cast", [rows], SrcT=_type(INT8), DstT=T, Truncate=_bool(False))
+        if dtype != F32:
+            scales = self.op("Cast", f"{base}/row_scales_cast", [scales], SrcT=_type(F32), DstT=T, Truncate=_bool(False))
         trailing = len(self.variables[kernel.name].value.shape) - 1
         for i in range(trailing):
             axis = self.const(f"{base}/expand_axis_{i}", -1, INT32)
-            scales = self.op("ExpandDims", f"{base}/row_scales_expanded_{i}", [scales, axis], T=_type(F32), Tdim=_type(INT32))
-        self.graph.redefine(node, "RealDiv", [str(as_float), str(scales)], {"T": _type(F32)})
+            scales = self.op("ExpandDims", f"{base}/row_scales_expanded_{i}", [scales, axis], T=T, Tdim=_type(INT32))
+        if dtype == output_dtype:
+            self.graph.redefine(node, "RealDiv", [str(as_float), str(scales)], {"T": T})
+        else:  # the lookup's consumers read its original dtype
+            divided = self.op("RealDiv", f"{base}/divide", [as_float, scales], T=T)
+            self.graph.redefine(node, "Cast", [str(divided)],
+                                {"SrcT": T, "DstT": _type(output_dtype), "Truncate": _bool(False)})
 
     def _int8_input(self, site: Site) -> None:
         node = self.graph.nodes[site.node]
