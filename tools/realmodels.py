@@ -367,10 +367,11 @@ class Row:
     e_keras: Optional[float] = None
     rewrite_s: Optional[float] = None
     floor_s: Optional[float] = None
+    keras_keeps_convolutions: bool = False  # int8 on convolutions, which Keras cannot quantize
 
     @property
     def ratio(self) -> Optional[float]:
-        if self.e_tool is None or not self.e_keras:
+        if self.e_tool is None or not self.e_keras or self.keras_keeps_convolutions:
             return None
         return self.e_tool / self.e_keras
 
@@ -404,7 +405,8 @@ def measure(model: RealModel, which: str, workdir: pathlib.Path, floor_s: Option
     rewrite_s = time.monotonic() - started
     y_ref = run_saved_model(model.saved_model_dir, model.inputs)
     y_tool = run_saved_model(out, model.inputs)
-    row = Row(model.name, which, "ok", relative_error(y_tool, y_ref), None, rewrite_s, floor_s)
+    row = Row(model.name, which, "ok", relative_error(y_tool, y_ref), None, rewrite_s, floor_s,
+              which == "int8" and quantizes_convolutions(model, plain))
     if not all(np.isfinite(v).all() for v in y_tool.values()):
         row.ok = "non-finite output"
     if model.rebuild is not None:
@@ -430,7 +432,8 @@ def _format(rows: list[Row], markdown: bool) -> str:
     lines = []
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     body = [
-        (r.model, r.map, r.ok, fmt(r.e_tool, ".2e"), fmt(r.e_keras, ".2e"), fmt(r.ratio, ".2f"),
+        (r.model, r.map, r.ok, fmt(r.e_tool, ".2e"), fmt(r.e_keras, ".2e"),
+         "(conv)" if r.keras_keeps_convolutions else fmt(r.ratio, ".2f"),
          fmt(r.rewrite_s, ".1f"), fmt(r.floor_s, ".1f"))
         for r in rows
     ]
