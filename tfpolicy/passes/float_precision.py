@@ -18,8 +18,9 @@ cannot show):
 
 * normalisation layers (LayerNormalization, BatchNormalization, RMSNorm as
   keras_hub writes it: any layer whose own ops take an ``Rsqrt``);
-* :data:`FLOAT32_OPS`, the reductions and exponentials that Keras's and
-  keras_hub's code upcast and grappler's auto_mixed_precision denies;
+* :data:`FLOAT32_OPS`, the exponentials and logarithms that grappler's
+  auto_mixed_precision denies (not Softmax, which Keras computes in the
+  layer's dtype);
 * float math computed only from integer tensors and constants (rotary and
   position embeddings, masks: ``cast(positions) * inverse_frequency``);
 * ops with no kernel for the dtype, ops on resources and function calls.
@@ -69,12 +70,14 @@ NEVER_RETYPED = frozenset(
         "NoOp",
     }
 )
-# Ops computed in float32 inside any low-precision layer: Keras and keras_hub
-# upcast softmax and these reductions and exponentials, and grappler's
-# auto_mixed_precision keeps them off its allow list for the same reason.
+# Ops computed in float32 inside any low-precision layer: exponentials and
+# logarithms, which grappler's auto_mixed_precision keeps off its allow list.
+# Softmax is not one: Keras's Softmax layer (MultiHeadAttention's, and so
+# BERT's and GPT-2's) computes in the layer's dtype; the models that pin it to
+# float32 (keras_hub's Llama and Gemma) cannot be told apart in a float32 export.
 FLOAT32_OPS = frozenset(
     {
-        "Softmax", "LogSoftmax", "Exp", "Expm1", "Log", "Log1p", "Pow", "L2Loss",
+        "LogSoftmax", "Exp", "Expm1", "Log", "Log1p", "Pow", "L2Loss",
         "SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits",
     }
 )
@@ -226,7 +229,7 @@ class FloatPrecisionPass:
             self.stats.decline(layer, "normalization layer kept in float32")
             return
         if node.op in FLOAT32_OPS:
-            self.stats.decline(layer, f"{node.op} kept in float32, as Keras and grappler keep it")
+            self.stats.decline(layer, f"{node.op} kept in float32, as grappler keeps it")
             return
         if node.name in self._position_math:
             self.stats.decline(layer, POSITION_MATH)

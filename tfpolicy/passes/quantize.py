@@ -311,21 +311,26 @@ class QuantizePass:
         key = str(x)
         if key not in self._tokens:
             base = f"{x.node}/tfpolicy/int8_tokens"
-            T = _type(dtype)
-            amax = self.op("Max", f"{base}/amax", [self.op("Abs", f"{base}/abs", [x], T=T),
-                                                     self.const(f"{base}/axis", [-1], INT32)],
-                           T=T, Tidx=_type(INT32), keep_dims=_bool(True))
-            scale = self.op("RealDiv", f"{base}/scale", [
-                self.const(f"{base}/range", quant_math.INT8_RANGE, dtype),
-                self.op("AddV2", f"{base}/amax_eps", [amax, self.const(f"{base}/epsilon", quant_math.EPSILON, dtype)], T=T),
-            ], T=T)
-            rounded = self.op("Round", f"{base}/round", [self.op("Mul", f"{base}/scaled", [x, scale], T=T)], T=T)
-            clipped = self.op("ClipByValue", f"{base}/clip", [
-                rounded, self.const(f"{base}/min", -quant_math.INT8_RANGE, dtype),
-                self.const(f"{base}/max", quant_math.INT8_RANGE, dtype)], T=T)
-            q = self.op("Cast", f"{base}/to_int8", [clipped], SrcT=T, DstT=_type(INT8), Truncate=_bool(False))
+            values, scale = self._abs_max(x, (-1,), dtype, base)
+            q = self.op("Cast", f"{base}/to_int8", [values], SrcT=_type(dtype), DstT=_type(INT8), Truncate=_bool(False))
             self._tokens[key] = (q, scale)
         return self._tokens[key]
+
+    def _abs_max(self, x: TensorRef, axes: tuple[int, ...], dtype: int, base: str) -> tuple[TensorRef, TensorRef]:
+        """``(clip(round(x * s), +-127), s)``, ``s = 127 / (max|x| over axes + 1e-7)``, in ``dtype``."""
+        T = _type(dtype)
+        amax = self.op("Max", f"{base}/amax", [self.op("Abs", f"{base}/abs", [x], T=T),
+                                                 self.const(f"{base}/axes", list(axes), INT32)],
+                       T=T, Tidx=_type(INT32), keep_dims=_bool(True))
+        scale = self.op("RealDiv", f"{base}/scale", [
+            self.const(f"{base}/range", quant_math.INT8_RANGE, dtype),
+            self.op("AddV2", f"{base}/amax_eps", [amax, self.const(f"{base}/epsilon", quant_math.EPSILON, dtype)], T=T),
+        ], T=T)
+        rounded = self.op("Round", f"{base}/round", [self.op("Mul", f"{base}/scaled", [x, scale], T=T)], T=T)
+        clipped = self.op("ClipByValue", f"{base}/clip", [
+            rounded, self.const(f"{base}/min", -quant_math.INT8_RANGE, dtype),
+            self.const(f"{base}/max", quant_math.INT8_RANGE, dtype)], T=T)
+        return clipped, scale
 
     def _leading_shape(self, x: TensorRef, rank: int, tail: list[int], base: str) -> TensorRef:
         """``concat(shape(x)[:rank], tail)``: a reshape target that keeps x's leading (dynamic) axes."""
@@ -389,19 +394,8 @@ class QuantizePass:
         if key not in self._qdq:
             dtype = self.graph.tensor_dtype(x)
             base = f"{site.node}/tfpolicy/input_int8"
-            T = _type(dtype)
-            amax = self.op("Max", f"{base}/amax", [self.op("Abs", f"{base}/abs", [x], T=T),
-                                                     self.const(f"{base}/axes", list(axes), INT32)],
-                           T=T, Tidx=_type(INT32), keep_dims=_bool(True))
-            scale = self.op("RealDiv", f"{base}/scale", [
-                self.const(f"{base}/range", quant_math.INT8_RANGE, dtype),
-                self.op("AddV2", f"{base}/amax_eps", [amax, self.const(f"{base}/epsilon", quant_math.EPSILON, dtype)], T=T),
-            ], T=T)
-            rounded = self.op("Round", f"{base}/round", [self.op("Mul", f"{base}/scaled", [x, scale], T=T)], T=T)
-            clipped = self.op("ClipByValue", f"{base}/clip", [
-                rounded, self.const(f"{base}/min", -quant_math.INT8_RANGE, dtype),
-                self.const(f"{base}/max", quant_math.INT8_RANGE, dtype)], T=T)
-            self._qdq[key] = self.op("RealDiv", f"{base}/dequantize", [clipped, scale], T=T)
+            clipped, scale = self._abs_max(x, axes, dtype, base)
+            self._qdq[key] = self.op("RealDiv", f"{base}/dequantize", [clipped, scale], T=_type(dtype))
         self.graph.replace_input(node, position, self._qdq[key])
 
     # -- float8 ----------------------------------------------------------------------
