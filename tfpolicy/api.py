@@ -112,6 +112,7 @@ def rewrite(
             integer_limits=state.integer_limits,
             input_dir=input_path,
             shown_as=output_path,
+            functions=built.signatures,
         )
 
     savedmodel_io.save_atomically(

@@ -141,6 +141,7 @@ def run(
     integer_limits: Optional[Mapping[str, Mapping[str, int]]] = None,
     input_dir: Optional[pathlib.Path] = None,
     shown_as: Optional[pathlib.Path] = None,
+    functions: Optional[Mapping[str, Any]] = None,
 ) -> ServingChecks:
     """Both checks on the SavedModel at ``saved_model_dir``.
 
@@ -150,7 +151,9 @@ def run(
     A signature that does not compile under XLA is an error when the same
     signature of ``input_dir`` (the SavedModel before the rewrite) compiles.
     Errors name ``shown_as`` (the output the user asked for) when the checks
-    run on a staged copy.
+    run on a staged copy. ``functions`` (signature key -> the concrete
+    functions just saved there) are lowered to XLA as they are, which spares a
+    second load of the SavedModel; the TF1 check still loads it from disk.
 
     Raises :class:`ServingCheckError` when the TF1 loader cannot load or run a
     signature, and, for ``target="tpu"``, when a signature does not compile
@@ -162,10 +165,12 @@ def run(
     tf1, digests = _run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as)
     tf1_seconds = time.monotonic() - started
     started = time.monotonic()
-    loaded = tf.saved_model.load(str(saved_model_dir))
+    if functions is None:
+        loaded = tf.saved_model.load(str(saved_model_dir))
+        functions = loaded.signatures
     xla: dict[str, tuple[bool, tuple[str, ...], str]] = {}
     compiled: dict[str, tuple[bool, tuple[str, ...], str]] = {}  # computation digest -> outcome
-    for key, fn in sorted(loaded.signatures.items()):
+    for key, fn in sorted(functions.items()):
         digest = digests.get(key, key)
         if digest not in compiled:
             compiled[digest] = compile_xla(saved_model_dir, key, fn, seed=seed, feeds=feeds)
