@@ -393,18 +393,17 @@ def integer_matmul(graph: Graph, node: Node, site: Site, kernel_shape) -> "Integ
 
 def _kernel_layout(graph: Graph, operand: TensorRef, read_node: str):
     """The layout steps ``(op, operand)`` from the kernel's read to ``operand``, read first."""
+    chain, end = _layout_chain(graph, operand)
+    if end.name != read_node:
+        return f"the kernel reaches it through {end.op}"
     steps = []
-    producer = graph.producer(operand)
-    while producer.name != read_node:
-        if producer.op not in LAYOUT_OPS:
-            return f"the kernel reaches it through {producer.op}"
-        if producer.op in ("Transpose", "Reshape", "ExpandDims"):
-            value = _const_input(graph, producer, 1)
+    for step in reversed(chain):
+        if step.op in ("Transpose", "Reshape", "ExpandDims"):
+            value = _const_input(graph, step, 1)
             if value is None:
-                return f"the kernel reaches it through a {producer.op} of computed shape"
-            steps.append((producer.op, tuple(int(v) for v in np.asarray(value).reshape(-1))))
-        producer = graph.producer(next(iter(producer.data_inputs()))[1])
-    return tuple(reversed(steps))
+                return f"the kernel reaches it through a {step.op} of computed shape"
+            steps.append((step.op, tuple(int(v) for v in np.asarray(value).reshape(-1))))
+    return tuple(steps)
 
 
 def _apply_layout(array: np.ndarray, op: str, operand: tuple[int, ...]) -> np.ndarray:
@@ -464,11 +463,7 @@ def _trace_kernel(signature, graph, operand: TensorRef, contraction: Contraction
     Returns ``(variable, read node, axes)`` with ``axes`` None when a reshape
     makes the per-channel scale inexpressible, or None when no variable is found.
     """
-    chain: list[Node] = []
-    node = graph.producer(operand)
-    while node.op in LAYOUT_OPS and len(chain) < 16:
-        chain.append(node)
-        node = graph.producer(next(iter(node.data_inputs()))[1])
+    chain, node = _layout_chain(graph, operand)
     if node.op != "ReadVariableOp":
         return None
     info = index.variable_read_by(signature, graph, node)
@@ -507,6 +502,16 @@ def _trace_kernel(signature, graph, operand: TensorRef, contraction: Contraction
         if axes is None:
             return info, node.name, None
     return info, node.name, tuple(sorted(axes))
+
+
+def _layout_chain(graph: Graph, operand: TensorRef) -> tuple[list[Node], Node]:
+    """The layout ops (:data:`LAYOUT_OPS`) that produce ``operand``, nearest first, and the op before them."""
+    chain: list[Node] = []
+    node = graph.producer(operand)
+    while node.op in LAYOUT_OPS and len(chain) < 16:
+        chain.append(node)
+        node = graph.producer(next(iter(node.data_inputs()))[1])
+    return chain, node
 
 
 def _const_input(graph: Graph, node: Node, position: int):

@@ -55,6 +55,10 @@ def bool_attr(value: bool) -> attr_value_pb2.AttrValue:
     return attr_value_pb2.AttrValue(b=value)
 
 
+def int_attr(value: int) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(i=value)
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class TensorRef:
     """One output of one node: ``node:index`` in the flat form."""

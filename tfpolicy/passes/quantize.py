@@ -52,11 +52,8 @@ from tfpolicy.layer_index import LayerIndex
 from tfpolicy.quant_sites import Float8Group, Int8Kernel, QuantPlan, Site
 from tfpolicy.tf_names import TensorRef
 from tfpolicy.tf_names import bool_attr as _bool
+from tfpolicy.tf_names import int_attr as _int
 from tfpolicy.tf_names import type_attr as _type
-
-
-def _int(value: int) -> attr_value_pb2.AttrValue:
-    return attr_value_pb2.AttrValue(i=value)
 
 logger = logging.getLogger(__name__)
 
@@ -271,8 +268,10 @@ class QuantizePass:
         T = _type(dtype)
         base = f"{site.node}/tfpolicy/int8"
         contracted, free = int(np.prod(form.contracted)), int(np.prod(form.free))
+        reshaped = form.prefix_rank is not None and (len(form.contracted) > 1 or len(form.free) > 1)
+        leading = self._leading_dims(inputs[0], form.prefix_rank, base) if reshaped else None  # einsum's batch dims
         if form.prefix_rank is not None and len(form.contracted) > 1:  # einsum: flatten the contracted axes
-            x = self.op("Reshape", f"{base}/flatten_input", [x, self._leading_shape(inputs[0], form.prefix_rank, [contracted], base)],
+            x = self.op("Reshape", f"{base}/flatten_input", [x, self._reshape_target(leading, [contracted], f"{base}/input")],
                         T=T, Tshape=_type(INT32))
         xq, input_scale = self._quantize_per_token(x, dtype)
         kernel = TensorRef(site.read_node)  # the int8 variable itself, in the op's layout
@@ -281,7 +280,7 @@ class QuantizePass:
             operand = operand[0] if op == "ExpandDims" else list(operand)
             kernel = self.op(op, f"{base}/kernel_{step}", [kernel, self.const(f"{base}/kernel_{step}_operand", operand, INT32)],
                              T=_type(INT8), **attrs)
-        if form.prefix_rank is not None and (len(form.contracted) > 1 or len(form.free) > 1):
+        if reshaped:
             kernel = self.op("Reshape", f"{base}/kernel_2d", [kernel, self.const(f"{base}/kernel_2d_shape", [contracted, free], INT32)],
                              T=_type(INT8), Tshape=_type(INT32))
         product = self.op("BatchMatMulV3", f"{base}/matmul", [xq, kernel], Ta=_type(INT8), Tb=_type(INT8),
@@ -300,7 +299,7 @@ class QuantizePass:
         output_scale = self.op("Mul", f"{base}/output_scale", [kernel_scale, input_scale], T=T)
         if len(form.free) > 1:  # einsum: unflatten the output axes
             divided = self.op("RealDiv", f"{base}/rescale", [as_float, output_scale], T=T)
-            shape = self._leading_shape(inputs[0], form.prefix_rank, list(form.free), base + "/output")
+            shape = self._reshape_target(leading, list(form.free), f"{base}/output")
             self.graph.redefine(node, "Reshape", [str(divided), str(shape)], {"T": T, "Tshape": _type(INT32)})
         else:
             self.graph.redefine(node, "RealDiv", [str(as_float), str(output_scale)], {"T": T})
@@ -332,18 +331,21 @@ class QuantizePass:
             self.const(f"{base}/max", quant_math.INT8_RANGE, dtype)], T=T)
         return clipped, scale
 
-    def _leading_shape(self, x: TensorRef, rank: int, tail: list[int], base: str) -> TensorRef:
-        """``concat(shape(x)[:rank], tail)``: a reshape target that keeps x's leading (dynamic) axes."""
+    def _reshape_target(self, leading: TensorRef, tail: list[int], base: str) -> TensorRef:
+        """``concat(leading, tail)``: a shape that keeps the leading (dynamic) dimensions."""
+        return self.op("ConcatV2", f"{base}/shape", [leading, self.const(f"{base}/tail", tail, INT32),
+                                                     self.const(f"{base}/axis", 0, INT32)],
+                       N=_int(2), T=_type(INT32), Tidx=_type(INT32))
+
+    def _leading_dims(self, x: TensorRef, rank: int, base: str) -> TensorRef:
+        """``shape(x)[:rank]``: x's leading (dynamic) dimensions, for a reshape target."""
         dtype = _type(self.graph.tensor_dtype(x))
         shape = self.op("Shape", f"{base}/shape", [x], T=dtype, out_type=_type(INT32))
-        lead = self.op("StridedSlice", f"{base}/leading", [
+        return self.op("StridedSlice", f"{base}/leading", [
             shape, self.const(f"{base}/begin", [0], INT32), self.const(f"{base}/end", [rank], INT32),
             self.const(f"{base}/strides", [1], INT32)],
             T=_type(INT32), Index=_type(INT32), begin_mask=_int(0), end_mask=_int(0), ellipsis_mask=_int(0),
             new_axis_mask=_int(0), shrink_axis_mask=_int(0))
-        return self.op("ConcatV2", f"{base}/target", [lead, self.const(f"{base}/tail", tail, INT32),
-                                                      self.const(f"{base}/concat_axis", 0, INT32)],
-                       N=_int(2), T=_type(INT32), Tidx=_type(INT32))
 
     def _dequantize(self, q: TensorRef, kernel: Int8Kernel, name: str) -> TensorRef:
         keepdims = list(self.variables[kernel.name].value.shape)
