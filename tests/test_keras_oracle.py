@@ -130,3 +130,70 @@ def test_a_key_naming_a_layer_without_a_path_follows_keras(tmp_path):
     (name,) = function.structured_input_signature[1]
     (y_tool,) = function(**{name: tf.constant(x)}).values()
     np.testing.assert_array_equal(y_tool.numpy(), np.asarray(y_keras, dtype=np.float32))
+
+
+def test_ops_a_functional_model_runs_between_layers_keep_their_inputs_dtype(tmp_path):
+    """Keras does not autocast the ops a Functional model runs between layers
+    (``a + 3.0`` on a float16 layer's output stays float16, ``a + b`` of float16
+    and bfloat16 promotes to float32, ``x * 2.0`` on the float32 input stays
+    float32), so they are not put in the default policy: bit for bit."""
+    keras.utils.set_random_seed(5)
+
+    def build():
+        inputs = keras.Input((16,))
+        a = keras.layers.Dense(16, name="a")(inputs)
+        b = keras.layers.Dense(16, name="b")(inputs)
+        mixed = (a + 3.0) * (a + b) + inputs * 2.0
+        return keras.Model(inputs, keras.layers.Dense(8, name="e")(mixed))
+
+    model = build()
+    model.export(str(tmp_path / "in"), verbose=False)
+    policy = {"default_policy": "mixed_bfloat16", "policy_map": {"a": "mixed_float16"}}
+    tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", policy)
+
+    keras.config.set_dtype_policy(policy["default_policy"])
+    try:
+        native = build()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    native.set_weights(model.get_weights())
+    apply_policy_map_natively(native, tfpolicy.PolicyMap.load(policy).to_keras())
+    assert native.get_layer("a").compute_dtype == "float16"
+    x = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
+    y_keras = tf.function(lambda t: native(t, training=False))(tf.constant(x))
+    function = tf.saved_model.load(str(tmp_path / "in")).signatures["serving_default"]
+    (name,) = function.structured_input_signature[1]
+    (y_ref,) = run_signature(tmp_path / "in", "serving_default", {name: x}).values()
+    (y_tool,) = run_signature(tmp_path / "out", "serving_default", {name: x}).values()
+    assert np.abs(y_tool - y_ref).max() > 0
+    np.testing.assert_array_equal(y_tool, np.asarray(y_keras, dtype=np.float32))
+
+
+def test_tf_keras_op_layers_keep_their_inputs_dtype(tmp_path):
+    """tf-keras wraps ``a + 3.0`` in a TFOpLambda layer (``tf.__operators__.add``)
+    that does not autocast: it stays in the float16 of the layer before it."""
+    import tf_keras  # noqa: PLC0415
+
+    def build(policy, a_policy):
+        tf_keras.mixed_precision.set_global_policy(policy)
+        try:
+            inputs = tf_keras.Input((16,))
+            a = tf_keras.layers.Dense(16, name="a", dtype=a_policy)(inputs)
+            outputs = tf_keras.layers.Dense(8, name="e")((a + 3.0) * a)
+            return tf_keras.Model(inputs, outputs)
+        finally:
+            tf_keras.mixed_precision.set_global_policy("float32")
+
+    tf_keras.utils.set_random_seed(5)
+    model = build("float32", None)
+    tf.saved_model.save(model, str(tmp_path / "in"))
+    policy = {"default_policy": "mixed_bfloat16", "policy_map": {"a": "mixed_float16"}}
+    tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", policy)
+    native = build("mixed_bfloat16", "mixed_float16")
+    native.set_weights(model.get_weights())
+    x = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
+    y_keras = tf.function(lambda t: native(t, training=False))(tf.constant(x))
+    function = tf.saved_model.load(str(tmp_path / "out")).signatures["serving_default"]
+    (name,) = function.structured_input_signature[1]
+    (y_tool,) = run_signature(tmp_path / "out", "serving_default", {name: x}).values()
+    np.testing.assert_array_equal(y_tool, np.asarray(y_keras, dtype=np.float32))

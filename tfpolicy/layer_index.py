@@ -13,7 +13,11 @@ variable's layer, and the scope it sits in is learnt as that layer's scope.
 Other ops take the layer of the longest learnt scope that contains them; ops in
 a While/If body take the layer of the op that calls the body; the last resort
 is plain scope normalisation (:func:`normalize_scope`). Ops outside every layer
-get ``None`` and so the map's default policy, as in Keras.
+get ``None`` and so the map's default policy, as in Keras; except the ops a
+Functional model runs between its layers (``x + 3.0`` on a layer's output: in
+the model's own scope for Keras 3, in a ``tf.``-named TFOpLambda scope for
+tf-keras), which Keras does not autocast: they compute in their inputs' dtype,
+and :meth:`LayerIndex.between_layers` says which they are.
 
 Keras sets ``layer.path`` when a layer builds, and the layers Keras marks
 built at construction (Activation, Dropout, Softmax, Reshape, pooling: see
@@ -150,9 +154,14 @@ class LayerIndex:
         self.shared_names: dict[str, int] = {}  # TF variable name -> how many distinct variables bear it
         # Scopes of layers that have no path in Keras -> their op count.
         self.pathless_scopes: collections.Counter[str] = collections.Counter()
+        self._between_layers: set[tuple[str, str, str]] = set()
 
     def layer_of(self, signature: str, graph: Graph, node: Node) -> Optional[str]:
         return self._node_layer.get((signature, graph.name, node.name))
+
+    def between_layers(self, signature: str, graph: Graph, node: Node) -> bool:
+        """Whether ``node`` is an op a Functional model runs between its layers (no autocast)."""
+        return (signature, graph.name, node.name) in self._between_layers
 
     def variable_read_by(self, signature: str, graph: Graph, node: Node) -> Optional[VariableInfo]:
         """The variable a ReadVariableOp-like node reads, when it can be traced."""
@@ -260,6 +269,11 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
                 if layer is not None and layer not in known and _TRAILING_NUMBERS.sub("", layer) in pathless_layer_names():
                     index.pathless_scopes[layer] += 1
                     layer = None
+                elif (layer is None and _in_model_scope(node.name, model_prefixes)) or (
+                    layer is not None and layer not in known and layer.startswith(TF_OP_LAYER_PREFIX)
+                ):
+                    index._between_layers.add(slot)
+                    layer = None
                 index._node_layer[slot] = layer
             layer = index._node_layer[slot]
             for callee, offset in _callees(node):
@@ -274,6 +288,10 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
                     queue.append((program.functions[callee], callee_seeds, layer))
 
 
+# tf-keras wraps a TensorFlow op called on Keras tensors in a TFOpLambda layer
+# named after the op (``tf.math.multiply``, ``tf.__operators__.add``), which
+# does not autocast: the op runs between layers, as in a Keras 3 Functional model.
+TF_OP_LAYER_PREFIX = "tf."
 _TRAILING_NUMBERS = re.compile(r"(_\d+)+$")
 
 
@@ -315,6 +333,18 @@ def _layer_for(node: Node, scopes, caller_layer, model_prefixes, known, graph: G
     if caller_layer is not None:
         return caller_layer
     return normalize_scope(node.name, model_prefixes, known)
+
+
+def _in_model_scope(op_name: str, model_prefixes) -> bool:
+    """Whether ``op_name`` sits directly in a model scope that variable paths leave out.
+
+    That is a Functional model's scope (its layers' paths do not name it), so
+    the op is one the model runs between layers: ``MobileNetV3Small_1/Add``.
+    """
+    components = op_name.split("/")[:-1]
+    while components and CALL_WRAPPER.fullmatch(components[0]):
+        components = components[1:]
+    return bool(components) and tuple(components) in model_prefixes
 
 
 def _callees(node: Node) -> list[tuple[str, int]]:

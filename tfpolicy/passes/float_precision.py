@@ -19,8 +19,8 @@ cannot show):
 * normalisation layers (LayerNormalization, BatchNormalization, RMSNorm as
   keras_hub writes it: any layer whose own ops take an ``Rsqrt``);
 * :data:`FLOAT32_OPS`, the exponentials and logarithms that grappler's
-  auto_mixed_precision denies (not Softmax, which Keras computes in the
-  layer's dtype);
+  auto_mixed_precision denies, and Mean, as Keras's ``ops.mean`` (not
+  Softmax, which Keras computes in the layer's dtype);
 * float math computed only from integer tensors and constants (rotary and
   position embeddings, masks: ``cast(positions) * inverse_frequency``);
 * ops with no kernel for the dtype, ops on resources and function calls.
@@ -71,13 +71,15 @@ NEVER_RETYPED = frozenset(
     }
 )
 # Ops computed in float32 inside any low-precision layer: exponentials and
-# logarithms, which grappler's auto_mixed_precision keeps off its allow list.
+# logarithms, which grappler's auto_mixed_precision keeps off its allow list,
+# and Mean, which Keras's ``ops.mean`` computes in float32 for a low-precision
+# input (global average pooling, squeeze-and-excite blocks).
 # Softmax is not one: Keras's Softmax layer (MultiHeadAttention's, and so
 # BERT's and GPT-2's) computes in the layer's dtype; the models that pin it to
 # float32 (keras_hub's Llama and Gemma) cannot be told apart in a float32 export.
 FLOAT32_OPS = frozenset(
     {
-        "LogSoftmax", "Exp", "Expm1", "Log", "Log1p", "Pow", "L2Loss",
+        "Mean", "LogSoftmax", "Exp", "Expm1", "Log", "Log1p", "Pow", "L2Loss",
         "SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits",
     }
 )
@@ -213,6 +215,8 @@ class FloatPrecisionPass:
 
     def _retype_compute(self, node: Node) -> None:
         layer, target, normalization = self._target(node)
+        if layer is None and self.index.between_layers(self.signature, self.graph, node):
+            target = self._inputs_dtype(node)
         if target in FLOAT_DTYPES and target != types_pb2.DT_FLOAT and not normalization:
             promoted = self._promote(node, layer, target)
             if promoted != target:
@@ -252,6 +256,15 @@ class FloatPrecisionPass:
             else:
                 node.attrs[attr_name] = attr_value_pb2.AttrValue(type=target)
         self.stats.retyped[layer] += 1
+
+    def _inputs_dtype(self, node: Node) -> int:
+        """Keras's ``result_type`` of ``node``'s float inputs (constants are weak): float32 if none."""
+        found = None
+        for _, ref in node.data_inputs():
+            have = self.graph.tensor_dtype(ref)
+            if have in FLOAT_DTYPES and self.graph.producer(ref).op != "Const":
+                found = have if found is None else _wider(found, have)
+        return types_pb2.DT_FLOAT if found is None else found
 
     def _promote(self, node: Node, layer: Optional[str], target: int) -> int:
         """The dtype Keras computes ``node`` in: ``target``, widened by its sublayers' outputs.
