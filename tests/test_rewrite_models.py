@@ -84,10 +84,8 @@ def test_signatures_keep_names_and_specs(rewritten, name):
     for key in original.signatures:
         a, b = original.signatures[key], new.signatures[key]
         assert a.structured_input_signature == b.structured_input_signature
-        specs = lambda f: {k: (v.dtype, tuple(v.shape.as_list() if v.shape.rank is not None else ())) for k, v in f.structured_outputs.items()}
-        assert specs(a).keys() == specs(b).keys()
-        for k, (dtype, shape) in specs(a).items():
-            assert specs(b)[k][0] == dtype
+        specs = lambda f: {k: (v.dtype, v.shape) for k, v in f.structured_outputs.items()}
+        assert specs(b) == specs(a)  # dtypes and shapes, static dimensions included
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -120,8 +118,11 @@ def test_graph_structure(rewritten, name):
                 assert source is None or source.op != "Cast", f"Cast feeds Cast: {source.name} -> {node.name}"
     if name not in ("keras3_string_lookup",):
         assert matmuls > 0
-    assert report.casts_inserted > 0
-    assert report.to_json()["casts_inserted"] == sum(s["casts_inserted"] for s in report.to_json()["signatures"])
+    bfloat16_casts = sum(
+        node.op == "Cast" and node.attr["DstT"].type == tf.bfloat16.as_datatype_enum
+        for _, nodes in _node_defs(out) for node in nodes
+    )
+    assert report.casts_inserted > 0 and bfloat16_casts > 0
 
 
 def test_saved_model_cli_shows_the_output(rewritten):

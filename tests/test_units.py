@@ -51,7 +51,10 @@ def test_dtype_slots_follow_attributes():
 
 def test_kernel_lookup():
     assert tf_names.has_cpu_kernel("MatMul", "T", BF16)
-    assert not tf_names.has_cpu_kernel("Gelu", "T", BF16) or tf_names.has_cpu_kernel("Gelu", "T", F32)
+    # Cholesky's CPU kernels are float32/float64 (and complex) only: a bfloat16
+    # Cholesky would not run, and the float pass keeps it in float32.
+    assert tf_names.has_cpu_kernel("Cholesky", "T", F32) and not tf_names.has_cpu_kernel("Cholesky", "T", BF16)
+    assert not tf_names.has_cpu_kernel("NoSuchOp", "T", F32)
 
 
 # -- layer scopes ---------------------------------------------------------------

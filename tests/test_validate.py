@@ -8,7 +8,6 @@ answer is known: one layer in a coarser dtype than all the others.
 from __future__ import annotations
 
 import html.parser
-import importlib.util
 import json
 import math
 import pathlib
@@ -21,10 +20,6 @@ from tfpolicy import html_report
 from tfpolicy.errors import InputDataError
 from cli_helpers import describe, run_cli, tree_digest
 
-QUANTIZATION_AVAILABLE = importlib.util.find_spec("tfpolicy.passes.quantize") is not None
-needs_quantization = pytest.mark.skipif(
-    not QUANTIZATION_AVAILABLE, reason="quantized rewrite (issue 3, tfpolicy.passes.quantize) not merged yet"
-)
 
 UPSTREAM_OF_FFN_IN = ("mha/query", "mha/key", "mha/value", "mha", "mha/attention_output", "add_1", "ln_1")
 
@@ -243,7 +238,6 @@ def test_cli_validation_user_errors_exit_2_and_write_nothing(zoo, tmp_path, args
 # ---------------------------------------------------------------------------
 
 
-@needs_quantization
 @pytest.mark.parametrize(
     "policy_map, worst",
     [
@@ -258,7 +252,6 @@ def test_quantized_transformer_names_the_quantized_layer_first(transformer, tmp_
     assert report.layers[0].layer == worst, report.format_table(top=20)
 
 
-@needs_quantization
 def test_cli_validate_on_quantized_transformer_exits_1_below_measured_error(transformer, tmp_path):
     name = _map(tmp_path, {"default_policy": "float32", "policy_map": {"ffn_in": "int8_from_mixed_bfloat16"}})
     args = ["--map", name, "--validate", "--report", "r.json", str(transformer.saved_model_dir)]

@@ -83,6 +83,11 @@ FLOAT32_OPS = frozenset(
         "SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits",
     }
 )
+# The product of queries and keys: the op a scaled-attention softmax follows.
+PRODUCT_OPS = frozenset({"Einsum", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+# What may sit between the scale and the softmax in Keras's dot_product_attention:
+# a bias added, a mask applied with ``where``.
+LOGIT_OPS = frozenset({"AddV2", "Add", "SelectV2", "Select"})
 # Ops that make a layer a normalisation layer (its statistics in float32).
 NORMALIZATION_OPS = frozenset({"Rsqrt", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 # Float data enters a graph through these; other float tensors that descend
@@ -132,6 +137,8 @@ class FloatPrecisionPass:
         self.stats = GraphStats()
         self._casts: dict[tuple[str, int], TensorRef] = {}
         self._position_math: frozenset[str] = frozenset()
+        self._attention_softmax: dict[str, str] = {}  # chain op -> the product it scales
+        self._entry_dtypes: dict[str, int] = {}  # normalisation layer -> the dtype its input came in
         self._promoted: set[str] = set()
         self._constant_copies: dict[str, list[str]] = {}  # Const -> its converted copies
         self._normalization_layers: frozenset[Optional[str]] = frozenset()
@@ -142,6 +149,7 @@ class FloatPrecisionPass:
         graph = self.graph
         output_dtypes = {key: graph.tensor_dtype(ref) for key, ref in graph.outputs.items()}
         self._position_math = position_math(graph)
+        self._attention_softmax = scaled_attention_softmax(graph)
         self._normalization_layers = frozenset(
             self._layer(node) for node in graph.nodes.values() if node.op in NORMALIZATION_OPS
         )
@@ -235,6 +243,9 @@ class FloatPrecisionPass:
         if node.op in FLOAT32_OPS:
             self.stats.decline(layer, f"{node.op} kept in float32, as grappler keeps it")
             return
+        if node.name in self._attention_softmax:
+            self.stats.decline(layer, ATTENTION_SOFTMAX)
+            return
         if node.name in self._position_math:
             self.stats.decline(layer, POSITION_MATH)
             return
@@ -263,33 +274,42 @@ class FloatPrecisionPass:
         for _, ref in node.data_inputs():
             have = self.graph.tensor_dtype(ref)
             if have in FLOAT_DTYPES and self.graph.producer(ref).op != "Const":
+                have = (self._normalization_returns(ref) or [have])[-1]
                 found = have if found is None else _wider(found, have)
         return types_pb2.DT_FLOAT if found is None else found
 
     def _promote(self, node: Node, layer: Optional[str], target: int) -> int:
-        """The dtype Keras computes ``node`` in: ``target``, widened by its sublayers' outputs.
+        """The dtype Keras computes ``node`` in: ``result_type`` of its inputs as Keras sees them.
 
         Keras casts what enters a layer to its compute dtype, but not what the
         layer's own sublayers return to it: ``ops.einsum(scores, value)`` in a
-        bfloat16 attention layer whose ``value`` projection is float16 or
-        float32 runs in float32, as ``result_type`` promotes. Inputs from a
-        sublayer count at that sublayer's compute dtype, inputs this layer
-        already promoted at theirs; everything else at ``target``.
+        bfloat16 attention layer whose ``value`` projection is float32 runs in
+        float32, and ``einsum(query, key)`` of two float16 projections in
+        float16. Inputs from a sublayer count at that sublayer's compute dtype,
+        inputs this layer already promoted at theirs, attention probabilities at
+        their product's (Keras casts them back to the key's dtype); everything
+        else at ``target``.
         """
         if layer is None:
             return target
         prefix = layer + "/"
-        wanted = target
+        wanted = None
         for _, ref in node.data_inputs():
             producer = self.graph.producer(ref)
             if producer.op == "Const" or self.graph.tensor_dtype(ref) not in FLOAT_DTYPES:
                 continue
             source = self._layer(producer)
             if source is not None and source.startswith(prefix):
-                wanted = _wider(wanted, self.plan.for_layer(source).compute_enum)
-            elif producer.name in self._promoted:
-                wanted = _wider(wanted, self.graph.tensor_dtype(ref))
-        return wanted
+                dtype = self.plan.for_layer(source).compute_enum
+            elif producer.name in self._attention_softmax:
+                product = self.graph.nodes[self._attention_softmax[producer.name]]
+                dtype = self.graph.output_dtypes(product)[0]
+            elif producer.name in self._promoted and source == layer:
+                dtype = self.graph.tensor_dtype(ref)
+            else:
+                dtype = target
+            wanted = dtype if wanted is None else _wider(wanted, dtype)
+        return target if wanted is None else wanted
 
     def _float_type_attrs(self, node: Node) -> list[str]:
         """Type attributes of ``node`` that are float32 and type a data argument."""
@@ -324,7 +344,71 @@ class FloatPrecisionPass:
             have = self.graph.tensor_dtype(ref)
             want = wants[position]
             if have != want and have in FLOAT_DTYPES and want in FLOAT_DTYPES:
+                self._note_entry(ref, node, have)
+                for dtype in self._casts_on_the_way(ref, node):
+                    if self.graph.tensor_dtype(ref) != dtype and dtype != types_pb2.DT_FLOAT:
+                        ref = self._cast(ref, dtype)
                 self.graph.replace_input(node, position, self._cast(ref, want))
+
+    def _note_entry(self, ref: TensorRef, consumer: Node, have: int) -> None:
+        """Remember the dtype data entered a normalisation layer in (see :meth:`_normalization_returns`)."""
+        layer = self._layer(consumer)
+        if layer is None or layer == self._layer(self.graph.producer(ref)):
+            return
+        if self.plan.for_layer(layer).is_normalization or layer in self._normalization_layers:
+            if self.graph.producer(ref).op not in VARIABLE_READ_OPS and self.graph.producer(ref).op != "Const":
+                self._entry_dtypes.setdefault(layer, (self._normalization_returns(ref) or [have])[-1])
+
+    def _casts_on_the_way(self, ref: TensorRef, consumer: Node) -> list[int]:
+        """The dtypes Keras casts ``ref`` to before ``consumer``'s own layer casts it.
+
+        A normalisation layer returns its compute dtype; then each enclosing
+        layer the value enters autocasts it, outermost first: a float16 query
+        projection inside a bfloat16 attention layer sees its input rounded to
+        bfloat16 and then to float16. Rounding twice is not rounding once.
+        """
+        found = self._normalization_returns(ref, consumer)
+        inside = self._layer(consumer)
+        if inside is None:
+            return found
+        source = self._layer(self.graph.producer(ref))
+        parts = inside.split("/")
+        for end in range(1, len(parts)):
+            ancestor = "/".join(parts[:end])
+            if source is not None and (source == ancestor or source.startswith(ancestor + "/")):
+                continue  # the value is already inside this layer
+            if ancestor in self.plan.layers and not self.plan.for_layer(ancestor).is_normalization:
+                found.append(self.plan.for_layer(ancestor).compute_enum)
+        return found
+
+    def _normalization_returns(self, ref: TensorRef, consumer: Optional[Node] = None) -> list[int]:
+        """The dtypes a normalisation layer casts ``ref`` to as it returns it.
+
+        The layer computes in float32 but returns its compute dtype, and a
+        LayerNormalization casts to the dtype its input had first (Keras's
+        ``ops.layer_normalization`` does): a float16 LayerNormalization after
+        a bfloat16 layer rounds to bfloat16, then float16. Empty when ``ref``
+        does not leave such a layer.
+        """
+        layer = self._layer(self.graph.producer(ref))
+        if layer is None or not (self.plan.for_layer(layer).is_normalization or layer in self._normalization_layers):
+            return []
+        if consumer is not None:
+            inside = self._layer(consumer)
+            if inside is not None and (inside == layer or inside.startswith(layer + "/")):
+                return []
+        compute = self.plan.for_layer(layer).compute_enum
+        if compute not in FLOAT_DTYPES or compute == self.graph.tensor_dtype(ref):
+            return []
+        entered = self._entry_dtypes.get(layer)
+        if entered is not None and entered != compute and not self._has_moving_statistics(layer):
+            return [entered, compute]
+        return [compute]
+
+    def _has_moving_statistics(self, layer: str) -> bool:
+        """BatchNormalization (moving mean and variance) autocasts its input; LayerNormalization does not."""
+        info = self.index.layers.get(layer)
+        return info is not None and any(v.name.rsplit("/", 1)[-1].startswith("moving_") for v in info.variables)
 
     def _cast(self, ref: TensorRef, want: int) -> TensorRef:
         """``ref`` as ``want``: a cached, reused or new Cast, never Cast(Cast(x))."""
@@ -335,7 +419,7 @@ class FloatPrecisionPass:
         if producer.op == "Const" and want in FLOAT_DTYPES:
             self._casts[key] = self._converted_constant(producer, want)
             return self._casts[key]
-        if producer.op == "Cast":
+        if producer.op == "Cast" and _exact_cast(producer):
             (_, source), = producer.data_inputs()
             self.stats.casts_folded += 1
             result = source if self.graph.tensor_dtype(source) == want else self._cast(source, want)
@@ -405,6 +489,16 @@ class FloatPrecisionPass:
 PROMOTED = "promoted to float32 by a float32 or mixed-dtype sublayer output, as Keras promotes"
 
 
+def _exact_cast(cast: Node) -> bool:
+    """Whether a Cast keeps every value (from an integer, or to a wider float).
+
+    Only then may a Cast of its output read its input instead: bfloat16 to
+    float16 after float32 to bfloat16 rounds twice, and Keras does round twice.
+    """
+    source, target = cast.attrs["SrcT"].type, cast.attrs["DstT"].type
+    return source not in FLOAT_DTYPES or source == target or _wider(source, target) == target
+
+
 def _wider(a: int, b: int) -> int:
     """Keras's ``result_type`` of two float dtypes (bfloat16 with float16 is float32)."""
     if a == b:
@@ -441,6 +535,56 @@ def position_math(graph: Graph) -> frozenset[str]:
         elif node.op != "Const":
             found.add(node.name)
     return frozenset(found)
+
+
+ATTENTION_SOFTMAX = (
+    "softmax of scaled query-key logits kept in float32, as Keras's dot_product_attention computes it"
+)
+
+
+def scaled_attention_softmax(graph: Graph) -> dict[str, str]:
+    """The ops of each softmax computed as Keras's ``dot_product_attention`` computes it.
+
+    Keras's ``MultiHeadAttention`` (without dropout, so by default) and
+    ``ops.dot_product_attention`` cast the query-key product to float32, scale
+    it there, add the bias, apply the mask and take the softmax, all in
+    float32, and cast the probabilities back to the key's dtype::
+
+        Einsum(q, k) -> Mul(scale) -> [Add(bias)] -> [Select(mask)] -> Softmax
+
+    The scale after the product tells this form apart from the explicit one
+    (``MultiHeadAttention`` with dropout scales the query before the product,
+    and takes its softmax in the layer's dtype). Answers each Mul, Add, Select
+    and Softmax of such a chain -> the name of the product it scales.
+    """
+    found: dict[str, str] = {}
+    for node in graph.nodes.values():
+        if node.op == "Softmax":
+            chain = _scaled_logits(graph, node, depth=0)
+            if chain:
+                *ops, product = chain
+                found.update(dict.fromkeys(ops, product))
+    return found
+
+
+def _scaled_logits(graph: Graph, node: Node, depth: int) -> list[str]:
+    """``node``, the ops back to a product scaled by a constant, then the product; or []."""
+    if depth > len(LOGIT_OPS) + 1:
+        return []
+    producers = [
+        graph.producer(ref) for _, ref in node.data_inputs() if graph.tensor_dtype(ref) in FLOAT_DTYPES
+    ]
+    if node.op == "Mul" and depth > 0:
+        constants = [p for p in producers if p.op == "Const"]
+        products = [p for p in producers if p.op in PRODUCT_OPS]
+        return [node.name, products[0].name] if len(constants) == 1 and len(products) == 1 else []
+    if node.op == "Softmax" or node.op in LOGIT_OPS:
+        for producer in producers:
+            if producer.op in LOGIT_OPS or producer.op == "Mul":
+                chain = _scaled_logits(graph, producer, depth + 1)
+                if chain:
+                    return [node.name, *chain]
+    return []
 
 
 def choose_variable_dtypes(plan: Plan, index: LayerIndex, skip: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:
