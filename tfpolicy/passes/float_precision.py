@@ -348,7 +348,9 @@ class FloatPrecisionPass:
                 for dtype in self._casts_on_the_way(ref, node):
                     if self.graph.tensor_dtype(ref) != dtype and dtype != types_pb2.DT_FLOAT:
                         ref = self._cast(ref, dtype)
-                self.graph.replace_input(node, position, self._cast(ref, want))
+                if self.graph.tensor_dtype(ref) != want:
+                    ref = self._cast(ref, want)
+                self.graph.replace_input(node, position, ref)
 
     def _note_entry(self, ref: TensorRef, consumer: Node, have: int) -> None:
         """Remember the dtype data entered a normalisation layer in (see :meth:`_normalization_returns`)."""
@@ -576,7 +578,8 @@ def _scaled_logits(graph: Graph, node: Node, depth: int) -> list[str]:
     ]
     if node.op == "Mul" and depth > 0:
         constants = [p for p in producers if p.op == "Const"]
-        products = [p for p in producers if p.op in PRODUCT_OPS]
+        # The product itself, or its cast to float32 (a mixed-precision export).
+        products = [_uncast(graph, p) for p in producers if _uncast(graph, p).op in PRODUCT_OPS]
         return [node.name, products[0].name] if len(constants) == 1 and len(products) == 1 else []
     if node.op == "Softmax" or node.op in LOGIT_OPS:
         for producer in producers:
@@ -585,6 +588,14 @@ def _scaled_logits(graph: Graph, node: Node, depth: int) -> list[str]:
                 if chain:
                     return [node.name, *chain]
     return []
+
+
+def _uncast(graph: Graph, node: Node) -> Node:
+    """The producer of a Cast's input; any other node itself."""
+    if node.op == "Cast":
+        (_, source), = node.data_inputs()
+        return graph.producer(source)
+    return node
 
 
 def choose_variable_dtypes(plan: Plan, index: LayerIndex, skip: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:
