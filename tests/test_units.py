@@ -166,3 +166,45 @@ def test_remove_if_unused_deletes_a_dead_chain_and_keeps_what_is_read():
     assert "dense/w" in graph.nodes  # still read by the MatMul
     assert graph.remove_if_unused("dense/Relu") == []  # read by the output
     assert graph.remove_if_unused("x") == []  # a graph input stays
+
+
+# -- graph verification and the pass manager --------------------------------------
+
+
+def _relu_graph() -> Graph:
+    graph = Graph("tiny")
+    graph.add_node("Placeholder", "x", [], {"dtype": _type(F32)})
+    graph.add_node("Relu", "relu", ["x"], {"T": _type(F32)})
+    graph.outputs["y"] = TensorRef("relu")
+    return graph
+
+
+def test_verify_finds_each_kind_of_broken_graph():
+    graph = _relu_graph()
+    assert graph.verify() == []
+    graph.nodes["relu"].attrs["T"] = _type(BF16)  # retyped without a Cast
+    assert graph.verify() == ["edge 'x' -> 'relu' input 0: float32 where Relu expects bfloat16"]
+    graph = _relu_graph()
+    graph.nodes["relu"].inputs = ["gone:0", "^also_gone"]
+    graph.outputs["z"] = TensorRef("nowhere")
+    problems = graph.verify()
+    assert any("missing node 'gone'" in p for p in problems)
+    assert any("control input from missing node 'also_gone'" in p for p in problems)
+    assert any("output 'z' reads missing node 'nowhere'" in p for p in problems)
+    graph = _relu_graph()
+    graph.nodes["relu"].inputs = ["x:1"]
+    assert graph.verify() == ["'relu' input 0 reads 'x:1', which has 1 outputs"]
+
+
+def test_the_pass_manager_names_the_pass_that_broke_an_edge():
+    from tfpolicy.errors import PassError  # noqa: PLC0415
+    from tfpolicy.passes import PassResult, run_passes  # noqa: PLC0415
+
+    graph = _relu_graph()
+
+    def retype_without_cast() -> PassResult:
+        graph.nodes["relu"].attrs["T"] = _type(BF16)
+        return PassResult(modified=True)
+
+    with pytest.raises(PassError, match=r"pass 'careless\[tiny\]' failed: left graph 'tiny' broken: edge 'x' -> 'relu'"):
+        run_passes([("fine", graph, lambda: PassResult(modified=False)), ("careless[tiny]", graph, retype_without_cast)])

@@ -225,9 +225,9 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
             QuantizePass(program.key, graph, index, qplan, new_variables, constant_scales=True)
             for graph in program.functions.values()
         ]
-        steps = [(f"float_precision[{program.key}:{p.graph.name}]", _adapt(p.run)) for p in float_passes]
-        steps.append((f"quantize[{program.key}]", _adapt(quantize.run)))
-        steps.extend((f"quantize[{program.key}:{q.graph.name}]", _adapt(q.run)) for q in in_functions)
+        steps = [(f"float_precision[{program.key}:{p.graph.name}]", p.graph, _adapt(p.run)) for p in float_passes]
+        steps.append((f"quantize[{program.key}]", quantize.graph, _adapt(quantize.run)))
+        steps.extend((f"quantize[{program.key}:{q.graph.name}]", q.graph, _adapt(q.run)) for q in in_functions)
         run_passes(steps)
         if program.key == calibration_target:
             outputs = calibration.add_calibration_outputs(quantize)

@@ -165,6 +165,55 @@ class Graph:
                         stack.append((dep, False))
         return order
 
+    def verify(self) -> list[str]:
+        """Every broken invariant of the graph, first found first; [] when sound.
+
+        Checks that each node is stored under its own name, that every data and
+        control input names a node (and a data input one of its outputs), that
+        each edge's dtype is the one its consumer expects, and that every
+        graph output exists. Ops whose argument types cannot be worked out here
+        (an unknown op) are checked for existence only.
+        """
+        problems: list[str] = []
+        dtypes: dict[str, Optional[list[int]]] = {}
+
+        def outputs_of(name: str) -> Optional[list[int]]:
+            if name not in dtypes:
+                try:
+                    dtypes[name] = self.output_dtypes(self.nodes[name])
+                except Exception:  # noqa: BLE001  (no signature to check against)
+                    dtypes[name] = None
+            return dtypes[name]
+
+        for key, node in self.nodes.items():
+            if node.name != key:
+                problems.append(f"node '{node.name}' is stored as '{key}'")
+            for control in node.control_inputs():
+                if control not in self.nodes:
+                    problems.append(f"'{node.name}' has a control input from missing node '{control}'")
+            try:
+                wants: Optional[list[int]] = self.input_dtypes(node)
+            except Exception:  # noqa: BLE001
+                wants = None
+            for position, ref in node.data_inputs():
+                if ref.node not in self.nodes:
+                    problems.append(f"'{node.name}' input {position} reads missing node '{ref.node}'")
+                    continue
+                have = outputs_of(ref.node)
+                if have is None:
+                    continue
+                if ref.index >= len(have):
+                    problems.append(f"'{node.name}' input {position} reads '{ref}', which has {len(have)} outputs")
+                elif wants is not None and position < len(wants) and wants[position] and have[ref.index] != wants[position]:
+                    problems.append(
+                        f"edge '{ref}' -> '{node.name}' input {position}: "
+                        f"{tf_names.dtype_name(have[ref.index])} where {node.op} expects {tf_names.dtype_name(wants[position])}"
+                    )
+        for key, ref in self.outputs.items():
+            if ref.node not in self.nodes:
+                problems.append(f"output '{key}' reads missing node '{ref.node}'")
+        return problems
+
     # -- edits ---------------------------------------------------------------
 
     def replace_input(self, consumer: Node, position: int, new: TensorRef) -> None:

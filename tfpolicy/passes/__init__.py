@@ -1,16 +1,21 @@
 """Rewrite passes and the manager that runs them in order.
 
-Every pass is one module with one entry point ``run(context) -> PassResult``;
-the manager wraps a failure with the pass's name (:class:`~tfpolicy.errors.PassError`).
+Every pass is one module with one entry point ``run() -> PassResult``; the
+manager runs them in order, checks each graph a pass modified with
+:meth:`~tfpolicy.graph.Graph.verify`, and wraps a failure or a broken graph
+with the pass's name (:class:`~tfpolicy.errors.PassError`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from tfpolicy.errors import PassError, TfPolicyError
+
+if TYPE_CHECKING:
+    from tfpolicy.graph import Graph
 
 logger = logging.getLogger(__name__)
 
@@ -21,15 +26,25 @@ class PassResult:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def run_passes(passes: Sequence[tuple[str, Callable[[], PassResult]]]) -> list[PassResult]:
+def run_passes(passes: Sequence[tuple[str, "Graph", Callable[[], PassResult]]]) -> list[PassResult]:
+    """Run ``(name, graph, run)`` steps in order; verify each graph a pass modified.
+
+    A pass that raises, or leaves its graph broken (:meth:`Graph.verify`), is a
+    :class:`PassError` naming the pass and the first problem.
+    """
     results = []
-    for name, run in passes:
+    for name, graph, run in passes:
         try:
             result = run()
         except TfPolicyError:
             raise
         except Exception as exc:  # a bug in a pass: keep the cause, name the pass
             raise PassError(name, f"{type(exc).__name__}: {exc}") from exc
+        if result.modified:
+            problems = graph.verify()
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise PassError(name, f"left graph '{graph.name}' broken: {problems[0]}{more}")
         logger.debug("pass %s: modified=%s", name, result.modified)
         results.append(result)
     return results
