@@ -21,7 +21,7 @@ from typing import Optional
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
-from tfpolicy import savedmodel_io
+from tfpolicy import savedmodel_io, tf_internals
 from tfpolicy.passes.quantize import NewVariable
 from tfpolicy.savedmodel_io import LoadedModel, SignatureProgram
 from tfpolicy.tf_names import TensorRef
@@ -57,7 +57,6 @@ def assemble(
     calibration: Optional[tuple[str, dict[str, TensorRef]]] = None,
 ) -> Assembled:
     """Build the root; ``calibration`` is (signature key, calibrate outputs) or None."""
-    from tensorflow.python.trackable import autotrackable  # noqa: PLC0415
 
     created = {name: tf.Variable(spec.value, name=name, trainable=False) for name, spec in new_variables.items()}
     replaced = {spec.replaces: created[name] for name, spec in new_variables.items() if spec.replaces is not None}
@@ -89,7 +88,7 @@ def assemble(
         functions[program.key] = savedmodel_io.rebuild_function(program, handles)
         if calibration is not None and calibration[0] == program.key:
             calibrate = savedmodel_io.rebuild_function(program, handles, outputs=calibration[1])
-    root = autotrackable.AutoTrackable()
+    root = tf_internals.new_trackable_root()
     root.tfpolicy_variables = list(kept.values()) + list(converted.values()) + list(created.values())
     root.tfpolicy_resources = savedmodel_io.tracked_resources(model.root)
     for key, function in functions.items():

@@ -291,10 +291,10 @@ class Graph:
     def add_const(self, name: str, value: "np.ndarray", device: str = "") -> Node:
         """A ``Const`` node holding ``value`` (its dtype and shape)."""
         import numpy as np  # noqa: PLC0415
-        from tensorflow.python.framework import tensor_util  # noqa: PLC0415
+        import tensorflow as tf  # noqa: PLC0415
 
         array = np.asarray(value)
-        proto = tensor_util.make_tensor_proto(array)
+        proto = tf.make_tensor_proto(array)
         return self.add_node(
             "Const",
             name,

@@ -31,9 +31,8 @@ from typing import Any, Optional, Union
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
-from tensorflow.python.eager import wrap_function
 
-from tfpolicy import layer_index, savedmodel_io
+from tfpolicy import layer_index, savedmodel_io, tf_internals
 from tfpolicy.graph import Graph, Node
 from tfpolicy.savedmodel_io import SignatureProgram
 from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef, parse_input
@@ -323,7 +322,7 @@ def _function(program: SignatureProgram, fetches: dict[str, str], extra_inputs: 
     """A callable graph: the signature's inputs (+ ``extra_inputs``) -> ``fetches``."""
     graph_def = savedmodel_io.build_graph_def(program)
     handles = {placeholder: capture.handle for placeholder, capture in program.captures.items()}
-    return wrap_function.function_from_graph_def(
+    return tf_internals.function_from_graph_def(
         graph_def, list(program.input_tensors) + extra_inputs, fetches, handles
     )
 

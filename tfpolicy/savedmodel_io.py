@@ -31,12 +31,8 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
-from tensorflow.python.eager import wrap_function
-from tensorflow.python.framework import func_graph, importer
-from tensorflow.python.grappler import tf_optimizer
-from tensorflow.python.util import nest
 
-from tfpolicy import tf_names
+from tfpolicy import tf_internals, tf_names
 from tfpolicy.errors import OutputError, SavedModelError, cause_line
 from tfpolicy.graph import Graph, Node
 from tfpolicy.tf_names import TensorRef
@@ -140,9 +136,7 @@ def _all_variables(root: object) -> list[tf.Variable]:
 
 
 def _descendants(root: object) -> list[object]:
-    from tensorflow.python.checkpoint import trackable_view  # noqa: PLC0415
-
-    return list(trackable_view.TrackableView(root).descendants())
+    return tf_internals.trackable_descendants(root)
 
 
 def inline_functions(function: object) -> graph_pb2.GraphDef:
@@ -165,7 +159,7 @@ def inline_functions(function: object) -> graph_pb2.GraphDef:
     rewrite.optimizers.append("function")
     rewrite.min_graph_nodes = -1
     rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
-    return tf_optimizer.OptimizeGraph(config, meta_graph)
+    return tf_internals.run_grappler(config, meta_graph)
 
 
 def _load_signature(key: str, function: object, by_handle: dict[int, tf.Variable]) -> SignatureProgram:
@@ -231,7 +225,7 @@ def _specialize_call_sites(
 
 def _output_keys(function: object) -> list[str]:
     structure = function.structured_outputs
-    flat_keys = nest.flatten_with_joined_string_paths(structure)
+    flat_keys = tf_internals.flatten_with_joined_string_paths(structure)
     return [path or f"output_{i}" for i, (path, _) in enumerate(flat_keys)]
 
 
@@ -369,16 +363,14 @@ def rebuild_function(
     The graph is pruned to what those outputs need (so a serving function
     never runs the calibration's assignments), imported into a FuncGraph, and
     the surviving capture placeholders are bound to ``handles``; this is
-    ``wrap_function.function_from_graph_def`` without its op-by-op copy.
+    ``function_from_graph_def`` without its op-by-op copy.
     """
     graph = program.graph
     wanted = graph.outputs if outputs is None else outputs
     feeds = [name.split(":")[0] for name in program.input_tensors]
     keep = graph.ancestors([ref.node for ref in wanted.values()] + feeds)
     graph_def = build_graph_def(program, keep)
-    fn_graph = func_graph.FuncGraph(f"tfpolicy_{program.key}")
-    with fn_graph.as_default():
-        importer.import_graph_def(graph_def, name="")
+    fn_graph = tf_internals.new_func_graph(f"tfpolicy_{program.key}", graph_def)
     feed_tensors = [fn_graph.get_tensor_by_name(name) for name in program.input_tensors]
     fn_graph.inputs.extend(feed_tensors)
     for placeholder, handle in handles.items():
@@ -392,17 +384,14 @@ def rebuild_function(
         for tensor, want in zip(fetched.values(), original.outputs):
             if tensor.shape.is_compatible_with(want.shape):
                 tensor.set_shape(want.shape)
-        fn_graph.structured_outputs = nest.pack_sequence_as(
+        fn_graph.structured_outputs = tf.nest.pack_sequence_as(
             original.graph.structured_outputs, list(fetched.values())  # graph.outputs is in flatten order
         )
     else:
         fn_graph.structured_outputs = fetched
-    fn_graph.outputs.extend(nest.flatten(fn_graph.structured_outputs, expand_composites=True))
+    fn_graph.outputs.extend(tf.nest.flatten(fn_graph.structured_outputs, expand_composites=True))
     fn_graph.structured_input_signature = original.structured_input_signature
-    function = wrap_function.WrappedFunction(fn_graph, variable_holder=wrap_function.VariableHolder())
-    function._num_positional_args = len(feed_tensors)  # noqa: SLF001  (as WrappedFunction.prune sets them)
-    function._arg_keywords = [tensor.op.name for tensor in feed_tensors]  # noqa: SLF001
-    return function
+    return tf_internals.concrete_function(fn_graph, feed_tensors)
 
 
 def save_atomically(
@@ -442,10 +431,8 @@ def save_atomically(
 
 def tracked_resources(root: object) -> list[object]:
     """Non-variable resources and assets reachable from ``root`` (tables, files)."""
-    from tensorflow.python.trackable import asset, resource  # noqa: PLC0415
-
     kept = []
     for obj in _descendants(root):
-        if isinstance(obj, (resource.CapturableResource, asset.Asset)) and not isinstance(obj, tf.Variable):
+        if tf_internals.is_resource_or_asset(obj) and not isinstance(obj, tf.Variable):
             kept.append(obj)
     return kept

@@ -27,9 +27,8 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.util import deprecation
 
-from tfpolicy import inputs
+from tfpolicy import inputs, tf_internals
 from tfpolicy.errors import ServingCheckError, TargetError, cause_line
 from tfpolicy.plan import Plan
 
@@ -307,7 +306,7 @@ def _run_tf1(
     graph = tf.Graph()
     results: dict[str, dict[str, np.ndarray]] = {}
     try:
-        with tf.compat.v1.Session(graph=graph) as session, deprecation.silence():
+        with tf.compat.v1.Session(graph=graph) as session, tf_internals.deprecation_warnings_silenced():
             meta_graph = tf.compat.v1.saved_model.loader.load(session, [SERVE_TAG], str(saved_model_dir))
             digests = computations(meta_graph)
             first: dict[str, str] = {}  # digest -> the signature that ran it

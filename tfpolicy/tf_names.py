@@ -19,7 +19,8 @@ import functools
 from typing import Mapping, Optional, Sequence
 
 from tensorflow.core.framework import attr_value_pb2, function_pb2, op_def_pb2, types_pb2
-from tensorflow.python.framework import kernels, op_def_registry
+
+from tfpolicy import tf_internals
 
 FLOAT_DTYPES = frozenset(
     {types_pb2.DT_FLOAT, types_pb2.DT_BFLOAT16, types_pb2.DT_HALF, types_pb2.DT_DOUBLE}
@@ -92,7 +93,7 @@ def parse_input(text: str) -> tuple[Optional[TensorRef], Optional[str]]:
 @functools.lru_cache(maxsize=None)
 def op_def(op_type: str) -> Optional[op_def_pb2.OpDef]:
     """The registered OpDef, or None when ``op_type`` names a library function."""
-    return op_def_registry.get(op_type)
+    return tf_internals.op_def(op_type)
 
 
 def is_stateful(op_type: str) -> bool:
@@ -220,7 +221,7 @@ def has_cpu_kernel(op_type: str, attr_name: str, dtype: int) -> bool:
     accelerators, so that a rewritten SavedModel can always be checked on a CPU.
     Kernels without a constraint on ``attr_name`` accept any type.
     """
-    for kernel in kernels.get_registered_kernels_for_op(op_type).kernel:
+    for kernel in tf_internals.registered_kernels(op_type):
         if kernel.device_type != "CPU":
             continue
         constraint = next((c for c in kernel.constraint if c.name == attr_name), None)

@@ -1,0 +1,101 @@
+"""What tfpolicy relies on in TensorFlow's private APIs (tfpolicy/tf_internals.py).
+
+Each test pins one behaviour; a TensorFlow upgrade that changes it fails here,
+by name, before it fails a rewrite in some less obvious way.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+
+import numpy as np
+import tensorflow as tf
+
+from tfpolicy import savedmodel_io, tf_internals
+
+
+def test_op_defs_and_kernels_are_read_from_the_registry():
+    matmul = tf_internals.op_def("MatMul")
+    assert matmul is not None and [a.name for a in matmul.input_arg] == ["a", "b"]
+    assert tf_internals.op_def("__inference_not_an_op") is None
+    cpu = [k for k in tf_internals.registered_kernels("MatMul") if k.device_type == "CPU"]
+    allowed = {t for k in cpu for c in k.constraint if c.name == "T" for t in c.allowed_values.list.type}
+    assert tf.bfloat16.as_datatype_enum in allowed
+
+
+def _saved_loop(tmp_path: pathlib.Path) -> pathlib.Path:
+    class Loop(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(np.eye(4, dtype=np.float32), name="w")
+
+        @tf.function(input_signature=[tf.TensorSpec((None, 4), tf.float32)])
+        def __call__(self, x):
+            return tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.matmul(y, self.w)), (0, x))[1]
+
+    model = Loop()
+    tf.saved_model.save(model, str(tmp_path / "loop"), signatures=model.__call__)
+    return tmp_path / "loop"
+
+
+def test_grappler_inlines_calls_and_leaves_while_bodies_as_functions(tmp_path):
+    loaded = tf.saved_model.load(str(_saved_loop(tmp_path)))
+    inlined = savedmodel_io.inline_functions(loaded.signatures["serving_default"])
+    ops = {n.op for n in inlined.node}
+    assert "StatefulPartitionedCall" not in ops and "PartitionedCall" not in ops  # calls inlined
+    assert ops & {"While", "StatelessWhile"}  # control flow kept functional (no Switch/Merge)
+    assert not ops & {"Switch", "Merge", "Enter", "Exit"}
+    assert len(inlined.library.function) >= 2  # cond and body
+
+
+def test_a_loaded_models_variables_are_found_among_its_descendants(tmp_path):
+    loaded = tf.saved_model.load(str(_saved_loop(tmp_path)))
+    found = [obj for obj in tf_internals.trackable_descendants(loaded) if isinstance(obj, tf.Variable)]
+    assert [v.name for v in found] == ["w:0"]
+    table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(["a"], [1]), default_value=0)
+    assert tf_internals.is_resource_or_asset(table) and not tf_internals.is_resource_or_asset(found[0])
+
+
+def test_a_graph_def_becomes_a_function_called_by_keyword():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (None, 2), name="x")
+        tf.identity(x * 2.0, name="y")
+    fn_graph = tf_internals.new_func_graph("doubled", graph.as_graph_def())
+    feed = fn_graph.get_tensor_by_name("x:0")
+    fn_graph.inputs.append(feed)
+    fn_graph.structured_outputs = {"y": fn_graph.get_tensor_by_name("y:0")}
+    fn_graph.outputs.append(fn_graph.structured_outputs["y"])
+    fn_graph.structured_input_signature = ((), {"x": tf.TensorSpec((None, 2), tf.float32, name="x")})
+    function = tf_internals.concrete_function(fn_graph, [feed])
+    np.testing.assert_array_equal(function(x=tf.ones((1, 2)))["y"].numpy(), [[2.0, 2.0]])
+
+    pruned = tf_internals.function_from_graph_def(graph.as_graph_def(), ["x:0"], {"y": "y:0"}, {})
+    np.testing.assert_array_equal(pruned(tf.ones((1, 2)))["y"].numpy(), [[2.0, 2.0]])
+
+
+def test_output_keys_are_joined_paths():
+    assert [p for p, _ in tf_internals.flatten_with_joined_string_paths({"a": 1, "b": {"c": 2}})] == ["a", "b/c"]
+
+
+def test_deprecation_warnings_can_be_silenced():
+    from tensorflow.python.util import deprecation  # noqa: PLC0415  (to make a deprecated function)
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    tf.get_logger().addHandler(handler)
+    try:
+        def old_api():
+            return 1
+
+        silenced = deprecation.deprecated(None, "use something else")(old_api)
+        with tf_internals.deprecation_warnings_silenced():
+            silenced()
+        assert not records
+        loud = deprecation.deprecated(None, "use something else")(lambda: 2)
+        loud()
+        assert any("deprecated" in r.getMessage() for r in records)
+    finally:
+        tf.get_logger().removeHandler(handler)
