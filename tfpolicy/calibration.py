@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from tfpolicy import quant_math
-from tfpolicy.passes.quantize import CAPTURE_SCOPE, F32, INT32, QuantizePass
+from tfpolicy.passes.quantize import CAPTURE_SCOPE, F32, FLOAT8_E4M3_MAX, INT32, QuantizePass
 from tfpolicy.tf_names import TensorRef
 from tfpolicy.tf_names import bool_attr as _bool
 from tfpolicy.tf_names import type_attr as _type
@@ -82,7 +81,7 @@ def _update(qpass: QuantizePass, history_name: str, scale_name: str, amax: Tenso
                            T=f32, Tidx=_type(INT32), keep_dims=_bool(False))
     old = qpass.read(scale_name)
     inverse_old = qpass.op("Reciprocal", f"{base}/inverse_old_scale", [old], T=f32)
-    factor = qpass.op("RealDiv", f"{base}/factor", [qpass.const(f"{base}/dtype_max", quant_math.FLOAT8_E4M3_MAX, F32), history_max], T=f32)
+    factor = qpass.op("RealDiv", f"{base}/factor", [qpass.const(f"{base}/dtype_max", FLOAT8_E4M3_MAX, F32), history_max], T=f32)
     positive = qpass.op("Greater", f"{base}/positive", [history_max, qpass.const(f"{base}/zero", 0.0, F32)], T=f32)
     finite = qpass.op("IsFinite", f"{base}/finite", [history_max], T=f32)
     factor = qpass.op("SelectV2", f"{base}/if_positive", [positive, factor, inverse_old], T=f32)

@@ -42,11 +42,11 @@ import dataclasses
 import logging
 from typing import Callable, Optional
 
+import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2, types_pb2
 
-from tfpolicy import quant_math
 from tfpolicy.graph import Graph, Node
 from tfpolicy.layer_index import LayerIndex
 from tfpolicy.quant_sites import Float8Group, Int8Kernel, QuantPlan, Site
@@ -62,6 +62,13 @@ INT8 = types_pb2.DT_INT8
 F32 = types_pb2.DT_FLOAT
 INT32 = types_pb2.DT_INT32
 CAPTURE_SCOPE = "tfpolicy"
+# The constants of Keras's formulas (``keras.quantizers``), read from Keras
+# and TensorFlow's dtypes: int8 is symmetric in [-127, 127] (``abs_max_quantize``'s
+# ``value_range``), with Keras's epsilon under the scale; float8 e4m3's
+# largest finite value bounds ``compute_float8_scale``.
+INT8_RANGE = float(np.iinfo(np.int8).max)
+EPSILON = float(keras.config.epsilon())
+FLOAT8_E4M3_MAX = float(tf.dtypes.experimental.float8_e4m3fn.max)
 
 
 def numpy_dtype(dtype: int) -> np.dtype:
@@ -95,7 +102,7 @@ def build_variables(qplan: QuantPlan, read_value: Callable[[int], np.ndarray]) -
     """
     variables: dict[str, NewVariable] = {}
     for kernel in sorted(qplan.int8_kernels.values(), key=lambda k: k.name):
-        q, scale = quant_math.abs_max_quantize(read_value(kernel.uid), kernel.reduced_axes)
+        q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
         variables[kernel.name] = NewVariable(kernel.name, q, replaces=kernel.uid)
         variables[kernel.scale_name] = NewVariable(kernel.scale_name, np.squeeze(scale, axis=kernel.reduced_axes))
     for group in sorted(qplan.float8_groups.values(), key=lambda g: g.prefix):
@@ -103,10 +110,12 @@ def build_variables(qplan: QuantPlan, read_value: Callable[[int], np.ndarray]) -
         zeros = np.zeros((group.history_length,), np.float32)
         variables[group.name("inputs_scale")] = NewVariable(group.name("inputs_scale"), np.float32(1.0).reshape(()))
         variables[group.name("kernel_scale")] = NewVariable(
-            group.name("kernel_scale"), np.asarray(quant_math.float8_scale(amax, 1.0), np.float32))
+            group.name("kernel_scale"), np.asarray(keras.quantizers.compute_float8_scale(
+                np.float32(amax), np.float32(1.0), np.float32(FLOAT8_E4M3_MAX)), np.float32).reshape(()))
         variables[group.name("inputs_amax_history")] = NewVariable(group.name("inputs_amax_history"), zeros)
         variables[group.name("kernel_amax_history")] = NewVariable(
-            group.name("kernel_amax_history"), quant_math.roll_amax_history(zeros, amax))
+            group.name("kernel_amax_history"),
+            np.asarray(keras.quantizers.compute_float8_amax_history(np.float32([amax]), zeros), np.float32))
     return variables
 
 
@@ -322,13 +331,13 @@ class QuantizePass:
                                                  self.const(f"{base}/axes", list(axes), INT32)],
                        T=T, Tidx=_type(INT32), keep_dims=_bool(True))
         scale = self.op("RealDiv", f"{base}/scale", [
-            self.const(f"{base}/range", quant_math.INT8_RANGE, dtype),
-            self.op("AddV2", f"{base}/amax_eps", [amax, self.const(f"{base}/epsilon", quant_math.EPSILON, dtype)], T=T),
+            self.const(f"{base}/range", INT8_RANGE, dtype),
+            self.op("AddV2", f"{base}/amax_eps", [amax, self.const(f"{base}/epsilon", EPSILON, dtype)], T=T),
         ], T=T)
         rounded = self.op("Round", f"{base}/round", [self.op("Mul", f"{base}/scaled", [x, scale], T=T)], T=T)
         clipped = self.op("ClipByValue", f"{base}/clip", [
-            rounded, self.const(f"{base}/min", -quant_math.INT8_RANGE, dtype),
-            self.const(f"{base}/max", quant_math.INT8_RANGE, dtype)], T=T)
+            rounded, self.const(f"{base}/min", -INT8_RANGE, dtype),
+            self.const(f"{base}/max", INT8_RANGE, dtype)], T=T)
         return clipped, scale
 
     def _reshape_target(self, leading: TensorRef, tail: list[int], base: str) -> TensorRef:
@@ -422,8 +431,8 @@ class QuantizePass:
         scale = self.scale_as(scale_name, dtype)
         divided = self.op("RealDiv", f"{base}/divide", [x, scale], T=T)
         clipped = self.op("ClipByValue", f"{base}/clip", [
-            divided, self.const(f"{base}/min", -quant_math.FLOAT8_E4M3_MAX, dtype),
-            self.const(f"{base}/max", quant_math.FLOAT8_E4M3_MAX, dtype)], T=T)
+            divided, self.const(f"{base}/min", -FLOAT8_E4M3_MAX, dtype),
+            self.const(f"{base}/max", FLOAT8_E4M3_MAX, dtype)], T=T)
         as_f8 = self.op("Cast", f"{base}/to_float8", [clipped], SrcT=T, DstT=_type(FLOAT8), Truncate=_bool(False))
         back = self.op("Cast", f"{base}/from_float8", [as_f8], SrcT=_type(FLOAT8), DstT=T, Truncate=_bool(False))
         return self.op("Mul", f"{base}/dequantize", [back, scale], T=T)
