@@ -201,3 +201,21 @@ def test_tf_keras_op_layers_keep_their_inputs_dtype(tmp_path):
     (name,) = function.structured_input_signature[1]
     (y_tool,) = run_signature(tmp_path / "out", "serving_default", {name: x}).values()
     np.testing.assert_array_equal(y_tool, np.asarray(y_keras, dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", ["keras3_mlp", "keras3_transformer", "keras3_sequential", "keras3_subclassed",
+                                  "keras3_nested", "keras3_string_lookup", "keras3_quantizable", "keras3_cnn"])
+def test_explained_paths_are_kerass_layer_paths(zoo, name):
+    """``explain()`` shows Keras's ``layer.path``s. Two known differences: a
+    container with no op or variable of its own (a nested Sequential) has
+    nothing to show, and a layer Keras builds at construction (no path) that
+    the user renamed cannot be told from one that builds, so it shows."""
+    model = zoo.get(name)
+    native = model.rebuild()
+    layers = list(native._flatten_layers(include_self=False))
+    keras_paths = {layer.path for layer in layers if layer.path}
+    containers = {layer.path for layer in layers if layer.path and layer._layers and not layer._trainable_variables}
+    pathless_named = {layer.name for layer in layers if not layer.path and not layer.name.startswith("input")}
+    shown = {row.path for row in tfpolicy.explain(model.saved_model_dir, {"default_policy": "float32"}).plan.rows() if row.path}
+    assert keras_paths - containers <= shown
+    assert shown - keras_paths <= pathless_named, shown - keras_paths
