@@ -10,6 +10,7 @@ import logging
 import pathlib
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfpolicy import savedmodel_io, tf_internals
@@ -79,23 +80,29 @@ def test_output_keys_are_joined_paths():
     assert [p for p, _ in tf_internals.flatten_with_joined_string_paths({"a": 1, "b": {"c": 2}})] == ["a", "b/c"]
 
 
-def test_deprecation_warnings_can_be_silenced():
+def test_deprecation_warnings_are_silenced_and_come_back_after_a_failure():
     from tensorflow.python.util import deprecation  # noqa: PLC0415  (to make a deprecated function)
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    tf.get_logger().addHandler(handler)
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # the CLI's tests quiet TensorFlow's logger for the process
+    logger.addHandler(handler)
     try:
         def old_api():
             return 1
 
         silenced = deprecation.deprecated(None, "use something else")(old_api)
-        with tf_internals.deprecation_warnings_silenced():
-            silenced()
+        with pytest.raises(ValueError):  # a failing run inside the block
+            with tf_internals.deprecation_warnings_silenced():
+                silenced()
+                raise ValueError("the signature failed")
         assert not records
         loud = deprecation.deprecated(None, "use something else")(lambda: 2)
         loud()
         assert any("deprecated" in r.getMessage() for r in records)
     finally:
-        tf.get_logger().removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(level)

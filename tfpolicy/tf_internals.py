@@ -79,9 +79,16 @@ def deprecation_warnings_silenced() -> Iterator[None]:
     """The TF1 session loader's deprecation warnings off, as TF Serving never prints them.
 
     ``tf.get_logger`` cannot silence them: they go through a private switch.
+    ``deprecation.silence()`` restores that switch only when its block ends
+    normally; a failing signature run would leave every later deprecation
+    warning of the process silenced, so the switch is restored here either way.
     """
-    with deprecation.silence():
-        yield
+    saved = deprecation._PRINT_DEPRECATION_WARNINGS  # noqa: SLF001
+    try:
+        with deprecation.silence():
+            yield
+    finally:
+        deprecation._PRINT_DEPRECATION_WARNINGS = saved  # noqa: SLF001
 
 
 def flatten_with_joined_string_paths(structure: Any) -> list[tuple[str, Any]]:
