@@ -43,6 +43,23 @@ def _rewritten_output(zoo_model, policy_map: dict, tmp_path) -> tuple[np.ndarray
     return y_ref, y_tool, report
 
 
+def _built_under(default_policy: str, build) -> "keras.Model":
+    """``build()`` under Keras's global dtype policy ``default_policy``, as a model built with the map's default."""
+    keras.config.set_dtype_policy(default_policy)
+    try:
+        return build()
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def _run_single_input(saved_model_dir, x: np.ndarray) -> np.ndarray:
+    """The single output of ``serving_default`` on its single input ``x``."""
+    function = tf.saved_model.load(str(saved_model_dir)).signatures["serving_default"]
+    (name,) = function.structured_input_signature[1]
+    (y,) = function(**{name: tf.constant(x)}).values()
+    return y.numpy()
+
+
 def test_mlp_mixed_bfloat16_is_bit_identical_to_keras(zoo, tmp_path):
     mlp = zoo.get("keras3_mlp")
     policy = {"default_policy": "mixed_bfloat16"}
@@ -117,11 +134,7 @@ def test_a_key_naming_a_layer_without_a_path_follows_keras(tmp_path):
 
     # Built under the map's default, as a model built with ``dtype=pm`` is:
     # the path-less Activation keeps that policy.
-    keras.config.set_dtype_policy(policy["default_policy"])
-    try:
-        native = build()
-    finally:
-        keras.config.set_dtype_policy("float32")
+    native = _built_under(policy["default_policy"], build)
     native.set_weights(model.get_weights())
     assert native.layers[3].path is None and native.layers[2].path == native.layers[2].name
     pm = tfpolicy.PolicyMap.load(policy).to_keras()
@@ -130,10 +143,8 @@ def test_a_key_naming_a_layer_without_a_path_follows_keras(tmp_path):
             layer.dtype_policy = pm[model.get_layer(index=native.layers.index(layer)).name]
     x = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
     y_keras = tf.function(lambda t: native(t, training=False))(tf.constant(x))
-    function = tf.saved_model.load(str(tmp_path / "out")).signatures["serving_default"]
-    (name,) = function.structured_input_signature[1]
-    (y_tool,) = function(**{name: tf.constant(x)}).values()
-    np.testing.assert_array_equal(y_tool.numpy(), np.asarray(y_keras, dtype=np.float32))
+    y_tool = _run_single_input(tmp_path / "out", x)
+    np.testing.assert_array_equal(y_tool, np.asarray(y_keras, dtype=np.float32))
 
 
 def test_ops_a_functional_model_runs_between_layers_keep_their_inputs_dtype(tmp_path):
@@ -155,20 +166,13 @@ def test_ops_a_functional_model_runs_between_layers_keep_their_inputs_dtype(tmp_
     policy = {"default_policy": "mixed_bfloat16", "policy_map": {"a": "mixed_float16"}}
     tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", policy)
 
-    keras.config.set_dtype_policy(policy["default_policy"])
-    try:
-        native = build()
-    finally:
-        keras.config.set_dtype_policy("float32")
+    native = _built_under(policy["default_policy"], build)
     native.set_weights(model.get_weights())
     apply_policy_map_natively(native, tfpolicy.PolicyMap.load(policy).to_keras())
     assert native.get_layer("a").compute_dtype == "float16"
     x = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
     y_keras = tf.function(lambda t: native(t, training=False))(tf.constant(x))
-    function = tf.saved_model.load(str(tmp_path / "in")).signatures["serving_default"]
-    (name,) = function.structured_input_signature[1]
-    (y_ref,) = run_signature(tmp_path / "in", "serving_default", {name: x}).values()
-    (y_tool,) = run_signature(tmp_path / "out", "serving_default", {name: x}).values()
+    y_ref, y_tool = _run_single_input(tmp_path / "in", x), _run_single_input(tmp_path / "out", x)
     assert np.abs(y_tool - y_ref).max() > 0
     np.testing.assert_array_equal(y_tool, np.asarray(y_keras, dtype=np.float32))
 
@@ -197,9 +201,7 @@ def test_tf_keras_op_layers_keep_their_inputs_dtype(tmp_path):
     native.set_weights(model.get_weights())
     x = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
     y_keras = tf.function(lambda t: native(t, training=False))(tf.constant(x))
-    function = tf.saved_model.load(str(tmp_path / "out")).signatures["serving_default"]
-    (name,) = function.structured_input_signature[1]
-    (y_tool,) = run_signature(tmp_path / "out", "serving_default", {name: x}).values()
+    y_tool = _run_single_input(tmp_path / "out", x)
     np.testing.assert_array_equal(y_tool, np.asarray(y_keras, dtype=np.float32))
 
 

@@ -116,9 +116,7 @@ def normalize_scope(
     ``_N`` is ambiguous for layers whose own name ends in ``_N``; learnt scopes
     are consulted before this and win.
     """
-    components = op_name.split("/")[:-1]
-    while components and CALL_WRAPPER.fullmatch(components[0]):
-        components = components[1:]
+    components = _scope_components(op_name)
     if not components or components[0] == "Func":  # inlining's argument plumbing
         return None
     for prefix in sorted(model_prefixes, key=len, reverse=True):
@@ -133,6 +131,14 @@ def normalize_scope(
         if candidate in known_paths:
             return candidate
     return normalized[0]
+
+
+def _scope_components(op_name: str) -> list[str]:
+    """The name scopes of ``op_name``, without the call wrappers inlining put in front."""
+    components = op_name.split("/")[:-1]
+    while components and CALL_WRAPPER.fullmatch(components[0]):
+        components = components[1:]
+    return components
 
 
 def _with_ancestors(paths: Iterable[str]) -> frozenset[str]:
@@ -341,9 +347,7 @@ def _in_model_scope(op_name: str, model_prefixes) -> bool:
     That is a Functional model's scope (its layers' paths do not name it), so
     the op is one the model runs between layers: ``MobileNetV3Small_1/Add``.
     """
-    components = op_name.split("/")[:-1]
-    while components and CALL_WRAPPER.fullmatch(components[0]):
-        components = components[1:]
+    components = _scope_components(op_name)
     return bool(components) and tuple(components) in model_prefixes
 
 

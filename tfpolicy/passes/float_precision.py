@@ -170,9 +170,11 @@ class FloatPrecisionPass:
 
     def _target(self, node: Node) -> tuple[Optional[str], int, bool]:
         layer = self._layer(node)
-        layer_plan = self.plan.for_layer(layer)
-        normalization = layer_plan.is_normalization or (layer is not None and layer in self._normalization_layers)
-        return layer, layer_plan.compute_enum, normalization
+        return layer, self.plan.for_layer(layer).compute_enum, self._is_normalization(layer)
+
+    def _is_normalization(self, layer: Optional[str]) -> bool:
+        """Whether ``layer`` computes in float32 as a normalisation layer (by its variables or its ops)."""
+        return layer is not None and (self.plan.for_layer(layer).is_normalization or layer in self._normalization_layers)
 
     def _retype(self, node: Node) -> None:
         if node.op in VARIABLE_READ_OPS:
@@ -274,7 +276,7 @@ class FloatPrecisionPass:
         for _, ref in node.data_inputs():
             have = self.graph.tensor_dtype(ref)
             if have in FLOAT_DTYPES and self.graph.producer(ref).op != "Const":
-                have = (self._normalization_returns(ref) or [have])[-1]
+                have = self._returned_dtype(ref)
                 found = have if found is None else _wider(found, have)
         return types_pb2.DT_FLOAT if found is None else found
 
@@ -355,11 +357,11 @@ class FloatPrecisionPass:
     def _note_entry(self, ref: TensorRef, consumer: Node, have: int) -> None:
         """Remember the dtype data entered a normalisation layer in (see :meth:`_normalization_returns`)."""
         layer = self._layer(consumer)
-        if layer is None or layer == self._layer(self.graph.producer(ref)):
+        producer = self.graph.producer(ref)
+        if not self._is_normalization(layer) or layer == self._layer(producer):
             return
-        if self.plan.for_layer(layer).is_normalization or layer in self._normalization_layers:
-            if self.graph.producer(ref).op not in VARIABLE_READ_OPS and self.graph.producer(ref).op != "Const":
-                self._entry_dtypes.setdefault(layer, (self._normalization_returns(ref) or [have])[-1])
+        if producer.op not in VARIABLE_READ_OPS and producer.op != "Const":
+            self._entry_dtypes.setdefault(layer, self._returned_dtype(ref))
 
     def _casts_on_the_way(self, ref: TensorRef, consumer: Node) -> list[int]:
         """The dtypes Keras casts ``ref`` to before ``consumer``'s own layer casts it.
@@ -377,7 +379,7 @@ class FloatPrecisionPass:
         parts = inside.split("/")
         for end in range(1, len(parts)):
             ancestor = "/".join(parts[:end])
-            if source is not None and (source == ancestor or source.startswith(ancestor + "/")):
+            if _within(source, ancestor):
                 continue  # the value is already inside this layer
             if ancestor in self.plan.layers and not self.plan.for_layer(ancestor).is_normalization:
                 found.append(self.plan.for_layer(ancestor).compute_enum)
@@ -393,12 +395,8 @@ class FloatPrecisionPass:
         does not leave such a layer.
         """
         layer = self._layer(self.graph.producer(ref))
-        if layer is None or not (self.plan.for_layer(layer).is_normalization or layer in self._normalization_layers):
+        if not self._is_normalization(layer) or (consumer is not None and _within(self._layer(consumer), layer)):
             return []
-        if consumer is not None:
-            inside = self._layer(consumer)
-            if inside is not None and (inside == layer or inside.startswith(layer + "/")):
-                return []
         compute = self.plan.for_layer(layer).compute_enum
         if compute not in FLOAT_DTYPES or compute == self.graph.tensor_dtype(ref):
             return []
@@ -406,6 +404,11 @@ class FloatPrecisionPass:
         if entered is not None and entered != compute and not self._has_moving_statistics(layer):
             return [entered, compute]
         return [compute]
+
+    def _returned_dtype(self, ref: TensorRef) -> int:
+        """The dtype a consumer outside ``ref``'s layer sees it in (see :meth:`_normalization_returns`)."""
+        returned = self._normalization_returns(ref)
+        return returned[-1] if returned else self.graph.tensor_dtype(ref)
 
     def _has_moving_statistics(self, layer: str) -> bool:
         """BatchNormalization (moving mean and variance) autocasts its input; LayerNormalization does not."""
@@ -489,6 +492,11 @@ class FloatPrecisionPass:
 
 
 PROMOTED = "promoted to float32 by a float32 or mixed-dtype sublayer output, as Keras promotes"
+
+
+def _within(path: Optional[str], layer: str) -> bool:
+    """Whether layer ``path`` is ``layer`` or one of its sublayers."""
+    return path is not None and (path == layer or path.startswith(layer + "/"))
 
 
 def _exact_cast(cast: Node) -> bool:
@@ -579,7 +587,7 @@ def _scaled_logits(graph: Graph, node: Node, depth: int) -> list[str]:
     if node.op == "Mul" and depth > 0:
         constants = [p for p in producers if p.op == "Const"]
         # The product itself, or its cast to float32 (a mixed-precision export).
-        products = [_uncast(graph, p) for p in producers if _uncast(graph, p).op in PRODUCT_OPS]
+        products = [p for p in (_uncast(graph, q) for q in producers) if p.op in PRODUCT_OPS]
         return [node.name, products[0].name] if len(constants) == 1 and len(products) == 1 else []
     if node.op == "Softmax" or node.op in LOGIT_OPS:
         for producer in producers:
