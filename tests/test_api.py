@@ -26,7 +26,7 @@ def test_accepts_a_keras_dtype_policy_map_without_mutating_it(zoo, tmp_path):
     "policy_map, error",
     [
         ({"default_policy": "float32", "policy_map": {"dense.*": "bfloat16", "d.*": "float16"}}, tfpolicy.AmbiguousPathError),
-        ({"default_policy": "float32", "policy_map": {"head": "int4_from_float32"}}, tfpolicy.UnsupportedPolicyError),
+        ({"default_policy": "float32", "policy_map": {"head": "gptq/4/128_from_float32"}}, tfpolicy.UnsupportedPolicyError),
         ({"default_policy": "float32", "policy_map": {"dense_(": "bfloat16"}}, tfpolicy.PolicyMapError),
     ],
     ids=["ambiguous", "quantized", "bad_regex"],

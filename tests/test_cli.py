@@ -155,7 +155,7 @@ def _unknown_policy(ws, model):
 
 
 def _unsupported_quantized_policy(ws, model):
-    name = write_json(ws / "quantized.json", {"policy_map": {"head": "int4_from_float32"}})
+    name = write_json(ws / "quantized.json", {"policy_map": {"head": "gptq/4/128_from_float32"}})
     return ["--map", name, str(model), "out"], ws / "out"
 
 
@@ -240,7 +240,7 @@ ERROR_CASES = [
         (re.compile(r"layer path 'dense(_1)?'"), "'dense.*'", "'d.*'"),
     ),
     ErrorCase("map_unknown_policy", _unknown_policy, ("bfloat17", "'head'")),
-    ErrorCase("map_unsupported_quantized_policy", _unsupported_quantized_policy, ("int4_from_float32", "head", "not supported")),
+    ErrorCase("map_unsupported_quantized_policy", _unsupported_quantized_policy, ("gptq/4/128_from_float32", "head", "not supported")),
     ErrorCase("input_missing", _missing_input, ("no_such_model", "does not exist")),
     ErrorCase("input_not_a_saved_model", _not_a_saved_model, ("empty_dir", "not a SavedModel")),
     ErrorCase("output_exists", _output_exists, ("existing_out", "--overwrite")),

@@ -175,7 +175,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
         logger.warning(message)
     values_by_uid = {id(v): v for v in model.variables}
     new_variables = build_variables(qplan, lambda uid: values_by_uid[uid].numpy())
-    variable_dtypes = choose_variable_dtypes(the_plan, index, skip=set(qplan.int8_kernels))
+    variable_dtypes = choose_variable_dtypes(the_plan, index, skip=qplan.integer_kernels)
 
     limits = {key: index_limits.integer_limits(program, index) for key, program in model.signatures.items()}
     passes = _run_passes(model, index, the_plan, qplan, variable_dtypes, new_variables)
@@ -283,7 +283,7 @@ def _refuse_unsupported_modes(the_plan: Plan) -> None:
         layers = ", ".join(p.path or "(default)" for p in unsupported)
         raise UnsupportedPolicyError(
             f"quantized policy {unsupported[0].policy!r} (layers: {layers}) is not supported;"
-            " tfpolicy applies int8_from_* and float8_from_* policies"
+            " tfpolicy applies int8_from_*, int4_from_*, int4/<block>_from_* and float8_from_* policies"
         )
 
 

@@ -70,7 +70,7 @@ def assemble(
             uid = id(variable) if variable is not None else None
             if uid in replaced:
                 handles[placeholder] = replaced[uid].handle
-                _retype_capture_placeholder(program, placeholder, replaced[uid].dtype.as_datatype_enum)
+                _retype_capture_placeholder(program, placeholder, replaced[uid].dtype.as_datatype_enum, replaced[uid].shape)
             elif uid in variable_dtypes:
                 if uid not in converted:
                     dtype = tf.dtypes.as_dtype(variable_dtypes[uid])
@@ -100,13 +100,17 @@ def assemble(
     return Assembled(root, functions, created, calibrate)
 
 
-def _retype_capture_placeholder(program: SignatureProgram, placeholder: str, dtype: int) -> None:
+def _retype_capture_placeholder(program: SignatureProgram, placeholder: str, dtype: int, shape=None) -> None:
+    """The capture's handle data says the new variable's dtype (and shape, for a packed int4 kernel)."""
     node = program.graph.nodes.get(placeholder)
     if node is None:
         return
     handle_dtypes = node.attrs.get("_handle_dtypes")
     if handle_dtypes is not None:
         handle_dtypes.list.type[:] = [dtype if t == types_pb2.DT_FLOAT else t for t in handle_dtypes.list.type]
+    handle_shapes = node.attrs.get("_handle_shapes")
+    if shape is not None and handle_shapes is not None and len(handle_shapes.list.shape) == 1:
+        handle_shapes.list.shape[0].CopyFrom(tf.TensorShape(shape).as_proto())
 
 
 def _attribute_name(key: str) -> str:

@@ -38,6 +38,9 @@ class LayerPlan:
     is_normalization: bool
     variable_count: int
     op_count: int
+    # int4: rows per scale group along the contracted axis (Keras's ``int4/<block>_``
+    # policies); None for one scale per output channel (``int4_``, ``int4/-1_``).
+    block_size: Optional[int] = None
 
     @property
     def compute_enum(self) -> int:
@@ -125,4 +128,10 @@ def _layer_plan(
         is_normalization=normalization,
         variable_count=variables,
         op_count=ops,
+        block_size=_block_size(policy),
     )
+
+
+def _block_size(policy) -> Optional[int]:
+    block = getattr(policy, "block_size", None)
+    return None if block is None or block <= 0 else int(block)

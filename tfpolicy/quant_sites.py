@@ -1,4 +1,4 @@
-"""Where int8 and float8 apply: pattern and check, before any rewrite.
+"""Where int8, int4 and float8 apply: pattern and check, before any rewrite.
 
 A **site** is a matmul-like op of a quantized layer whose kernel operand is a
 read of one of that layer's variables, possibly through layout ops::
@@ -14,8 +14,13 @@ that an int8 kernel gets one scale per output channel of the variable as
 stored. An op that does not fit is **declined** with a reason, shown by
 ``--explain``.
 
+int4 follows Keras's Dense, EinsumDense and Embedding: the kernel flattened
+to ``(contracted, output)`` (the contracted axes must lead, as in those
+layers), quantized per output channel or per block of rows with a zero point,
+and packed two values to a byte along the output axis.
+
 The result, :class:`QuantPlan`, is frozen: which sites, which variables become
-int8 and which float8 variable groups exist. :mod:`tfpolicy.passes.quantize`
+int8 or int4 and which float8 variable groups exist. :mod:`tfpolicy.passes.quantize`
 rewrites the graphs from it.
 """
 
@@ -39,7 +44,8 @@ from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODES = ("int8", "float8")
+SUPPORTED_MODES = ("int8", "int4", "float8")
+INTEGER_MODES = frozenset({"int8", "int4"})  # kernels stored as integers, replacing the float variable
 LAYOUT_OPS = frozenset({"Identity", "Cast", "Reshape", "Transpose", "ExpandDims"})
 VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather"})
 # A called function (not a While/If body) reads the kernel it is passed; its
@@ -191,10 +197,18 @@ class Site:
     integer: Optional[IntegerMatmul] = None  # int8 contractions that run on integers
     compute_dtype: int = types_pb2.DT_FLOAT  # the layer's
     simulated: str = ""  # why an int8 contraction is not integer: its kernel is dequantized before it
+    # int4 per channel on a Dense matmul: Keras multiplies by the integer kernel and divides after.
+    int4_rescaled: bool = False
 
     @property
     def form(self) -> str:
         """What the output runs at this site, for reports."""
+        if self.mode == "int4":
+            if self.contraction.kind == "gather":
+                return "int4 rows gathered"
+            if self.int4_rescaled:
+                return "int4 kernel, divided by its scale after the matmul"
+            return "int4 kernel dequantized before the contraction"
         if self.contraction.kind == "gather":
             return "int8 rows gathered"
         if self.integer is not None:
@@ -228,6 +242,43 @@ class Int8Kernel:
 
 
 @dataclasses.dataclass(frozen=True)
+class Int4Kernel:
+    """A variable stored as packed int4 (two values a byte), as Keras stores it.
+
+    The kernel is viewed as ``(rows, columns)``: for a matmul, its contracted
+    axes flattened then its output axes; for an embedding table, ``(vocabulary,
+    dim)``. Values are packed along ``columns``. Per channel, ``<name>_scale``
+    has one float32 per column (matmul) or per row (embedding); with
+    ``block_size``, ``<name>_scale`` and the int8 ``<name>_zero`` have one per
+    block and column, as Keras's ``abs_max_quantize_grouped_with_zero_point``.
+    """
+
+    uid: int
+    name: str
+    layer: str
+    shape: tuple[int, ...]  # the float variable's
+    embedding: bool
+    block_size: Optional[int]  # None: per channel
+    reduced_rank: int = 1  # how many leading axes are contracted (the embedding's: its rows)
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[: self.reduced_rank]))
+
+    @property
+    def columns(self) -> int:
+        return int(np.prod(self.shape[self.reduced_rank :]))
+
+    @property
+    def scale_name(self) -> str:
+        return f"{self.name}_scale"
+
+    @property
+    def zero_name(self) -> str:
+        return f"{self.name}_zero"
+
+
+@dataclasses.dataclass(frozen=True)
 class Float8Group:
     """The four float8 variables one layer (and kernel) owns."""
 
@@ -247,6 +298,12 @@ class QuantPlan:
     int8_kernels: dict[int, Int8Kernel]
     float8_groups: dict[tuple[str, int], Float8Group]
     layers_without_sites: tuple[tuple[str, str], ...]  # (layer path, mode)
+    int4_kernels: dict[int, Int4Kernel] = dataclasses.field(default_factory=dict)
+
+    @property
+    def integer_kernels(self) -> set[int]:
+        """uids of the float variables int8 or int4 copies replace."""
+        return set(self.int8_kernels) | set(self.int4_kernels)
 
     def sites_in(self, signature: str, graph: str) -> list[Site]:
         return [s for s in self.sites if s.signature == signature and s.graph == graph]
@@ -275,11 +332,13 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan) -> QuantPlan:
                     continue  # a shape or index lookup, not an embedding
                 found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index, bodies)
                 if isinstance(found, Site):
-                    found = dataclasses.replace(found, compute_dtype=layer_plan.compute_enum)
+                    found = dataclasses.replace(found, compute_dtype=layer_plan.compute_enum,
+                                                int4_rescaled=found.int4_rescaled and layer_plan.block_size is None)
                 (sites if isinstance(found, Site) else declined).append(found)
     sites, more_declined = _check_variables(model, index, sites)
     declined.extend(more_declined)
     int8 = _int8_kernels(sites, index)
+    int4 = _int4_kernels(sites, index, plan)
     groups = _float8_groups(sites, index, plan)
     with_sites = {s.layer for s in sites} | {d.layer for d in declined}
     quantized_layers = sorted(
@@ -287,7 +346,7 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan) -> QuantPlan:
         if p.path is not None and p.quantization_mode in SUPPORTED_MODES and p.op_count
     )
     without = tuple((path, mode) for path, mode in quantized_layers if path not in with_sites)
-    return QuantPlan(tuple(sites), tuple(declined), int8, groups, without)
+    return QuantPlan(tuple(sites), tuple(declined), int8, groups, without, int4)
 
 
 def _gathers_floats(node: Node) -> bool:
@@ -323,6 +382,10 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
         return decline("an embedding lookup inside a called function, whose signature cannot take the scale variable")
     if mode == "float8" and node.op not in FLOAT8_KINDS:
         return decline(f"float8 applies to matmul and einsum ops, not {node.op}")
+    if mode == "int4" and graph.is_function:
+        return decline("int4 inside a called function, whose signature cannot take the packed kernel")
+    if mode == "int4" and node.op not in FLOAT8_KINDS | {"GatherV2", "ResourceGather"}:
+        return decline(f"Keras quantizes int4 in Dense, EinsumDense and Embedding layers; no int4 {node.op}")
     candidates = RULES[node.op](node)
     if not candidates:
         return decline(f"{node.op} form not supported ({_describe(node)})")
@@ -347,6 +410,8 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
         if axes is None:
             return decline(f"the kernel reaches {node.op} through a reshape that mixes contracted and output axes")
         site = Site(signature, graph.name, node.name, node.op, layer, mode, contraction, info.uid, read_node, axes)
+        if mode == "int4":
+            return _int4_site(graph, node, site, info.shape, decline)
         if mode == "int8" and contraction.kind == "matmul":
             integer = integer_matmul(graph, node, site, info.shape)
             site = dataclasses.replace(site, **(
@@ -356,6 +421,30 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
 
 
 MATMUL_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
+
+def _int4_site(graph: Graph, node: Node, site: Site, kernel_shape, decline) -> "Site | Declined":
+    """An int4 site, or why Keras's int4 layout cannot hold its kernel."""
+    if site.contraction.kind == "gather":
+        if len(kernel_shape) != 2:
+            return decline(f"an int4 embedding table must be 2-D (vocabulary, dim), not rank {len(kernel_shape)}")
+        return site
+    axes = site.kernel_reduced_axes
+    if not axes or axes != tuple(range(len(axes))) or len(axes) >= len(kernel_shape):
+        return decline("int4 packs kernels as (contracted axes, output axes), as Keras's Dense and EinsumDense;"
+                       " this kernel's contracted axes do not come first")
+    # Dense divides by the scale after its matmul (a MatMul op: tf.matmul of a 2-D input, or
+    # Tensordot's); EinsumDense, which Keras's einsum lowers to Einsum or BatchMatMulV2,
+    # divides the kernel before. The order decides the last bit.
+    rescaled = (
+        node.op == "MatMul"
+        and len(kernel_shape) == 2
+        and site.contraction.kernel_position == 1
+        and not _attr_bool(node, "transpose_a")
+        and not _attr_bool(node, "transpose_b")
+        and _kernel_layout(graph, dict(node.data_inputs())[1], site.read_node) == ()
+    )
+    return dataclasses.replace(site, int4_rescaled=rescaled)
 
 
 def integer_matmul(graph: Graph, node: Node, site: Site, kernel_shape) -> "IntegerMatmul | str":
@@ -602,20 +691,24 @@ def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
     axes at two sites (one per-channel scale cannot serve both).
     """
     int8_axes: dict[int, set[tuple[int, ...]]] = {}
+    int4 = {site.variable_uid for site in sites if site.mode == "int4"}
     for site in sites:
-        if site.mode == "int8":
+        if site.mode in INTEGER_MODES:
             int8_axes.setdefault(site.variable_uid, set()).add(site.kernel_reduced_axes)
     blocked = {uid: "its kernel is contracted over different axes at another op"
                for uid, axes in int8_axes.items() if len(axes) > 1}
     for graph, node, uid, in_body in _variable_uses(model, index):
         if uid not in int8_axes or uid in blocked:
             continue
-        if in_body or (node.op not in VARIABLE_READS and node.op not in CALL_OPS):
+        if uid in int4 and (graph.is_function or node.op not in VARIABLE_READS):
+            where = f"called function '{graph.name}'" if graph.is_function else f"{node.op} '{node.name}'"
+            blocked[uid] = f"its kernel is also used in {where}, which cannot read a packed int4 copy"
+        elif in_body or (node.op not in VARIABLE_READS and node.op not in CALL_OPS):
             what = "a While/If body" if in_body else f"{node.op} '{node.name}'"
             blocked[uid] = f"its kernel is also used by {what}, which cannot read an int8 copy"
     kept, declined = [], []
     for site in sites:
-        reason = blocked.get(site.variable_uid) if site.mode == "int8" else None
+        reason = blocked.get(site.variable_uid) if site.mode in INTEGER_MODES else None
         if reason:
             declined.append(Declined(site.layer, site.mode, site.node, site.op, reason))
         else:
@@ -629,6 +722,17 @@ def _int8_kernels(sites: list[Site], index: LayerIndex) -> dict[int, Int8Kernel]
         if site.mode == "int8" and site.variable_uid not in kernels:
             info: VariableInfo = index.variables[site.variable_uid]
             kernels[site.variable_uid] = Int8Kernel(info.uid, info.name, site.layer, site.kernel_reduced_axes)
+    return kernels
+
+
+def _int4_kernels(sites: list[Site], index: LayerIndex, plan: Plan) -> dict[int, Int4Kernel]:
+    kernels = {}
+    for site in sites:
+        if site.mode == "int4" and site.variable_uid not in kernels:
+            info: VariableInfo = index.variables[site.variable_uid]
+            kernels[site.variable_uid] = Int4Kernel(
+                info.uid, info.name, site.layer, tuple(int(d) for d in info.shape), site.contraction.kind == "gather",
+                plan.for_layer(site.layer).block_size, 1 if site.contraction.kind == "gather" else len(site.kernel_reduced_axes))
     return kernels
 
 

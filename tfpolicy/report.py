@@ -82,6 +82,10 @@ def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: Mappi
         entry = row(kernel.layer, "int8")
         entry.variables += [kernel.name, kernel.scale_name]
         entry.scales[kernel.scale_name] = _range(values[kernel.scale_name])
+    for kernel in qplan.int4_kernels.values():
+        entry = row(kernel.layer, "int4")
+        entry.variables += [kernel.name, kernel.scale_name] + ([kernel.zero_name] if kernel.block_size else [])
+        entry.scales[kernel.scale_name] = _range(values[kernel.scale_name])
     for group in qplan.float8_groups.values():
         entry = row(group.layer, "float8")
         entry.variables += [group.name(k) for k in ("inputs_scale", "kernel_scale", "inputs_amax_history", "kernel_amax_history")]

@@ -2,9 +2,9 @@
 
 Writes a copy of the SavedModel INPUT to OUTPUT with the policy map applied:
 each layer's ops run in its policy's compute dtype (Casts inserted where
-dtypes meet), variables are stored in its variable dtype, int8 and float8
-layers get quantize-dequantize ops, and every signature keeps its input and
-output dtypes.
+dtypes meet), variables are stored in its variable dtype, int8, int4 and
+float8 layers are quantized as Keras quantizes them, and every signature keeps
+its input and output dtypes.
 
     python -m tfpolicy.rewrite --map policy.json model/ model_bf16/
     python -m tfpolicy.rewrite --map policy.json --explain model/
