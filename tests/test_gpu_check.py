@@ -29,13 +29,16 @@ def test_smoke_run_measures_fp32_and_bf16_and_reports_float8(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads((tmp_path / "out.json").read_text())
     variants = document["variants"]
-    assert list(variants) == ["fp32", "mixed_bfloat16", "float8"]
+    assert list(variants) == ["fp32", "mixed_bfloat16", "float8", "int8"]
     for name in ("fp32", "mixed_bfloat16"):
         assert variants[name]["examples_per_s"] > 0 and variants[name]["finite"] is True, variants[name]
         assert (tmp_path / "hlo" / f"{name}.optimized_hlo.txt").read_text().startswith("HloModule")
     float8 = variants["float8"]
     assert "examples_per_s" in float8 or float8["note"].startswith("skipped:"), float8
     assert document["verdict"].startswith("float8: ")
+    # The smoke encoder's six projections (q, k, v, output, two FFN) are s8 x s8 dots in XLA's optimized HLO.
+    assert variants["int8"]["int8_gemms"] == 6 and variants["mixed_bfloat16"]["int8_gemms"] == 0, variants["int8"]
+    assert "int8: 6 GEMM(s) with int8 operands" in result.stdout
     assert "variant" in result.stdout and "FP8 GEMMs" in result.stdout
 
 

@@ -1,23 +1,26 @@
-"""GPU check: fp32 vs mixed_bfloat16 vs float8 rewrites of a Keras 3 encoder under XLA.
+"""GPU check: fp32 vs mixed_bfloat16 vs float8 vs int8 rewrites of a Keras 3 encoder under XLA.
 
     pip install -e '.[gpu]'            # TensorFlow with its CUDA wheels
     python tools/gpu_check.py          # depth 4, width 1024, seq 256, batch 32: a few minutes
     python tools/gpu_check.py --json out.json --dump_hlo hlo/ --require_fp8
 
 Builds the transformer encoder of ``tools/bench.py`` (Keras 3, float32,
-``model.export``), rewrites it with tfpolicy twice::
+``model.export``), rewrites it with tfpolicy three times::
 
     fp32             the exported model itself
     mixed_bfloat16   {"default_policy": "mixed_bfloat16"}
     float8           mixed_bfloat16, with every Dense and attention projection
                      float8_from_mixed_bfloat16
+    int8             the same layers int8_from_mixed_bfloat16 (integer matmuls)
 
 and runs each ``serving_default`` under ``tf.function(jit_compile=True)`` on
 the GPU. It prints compile time, latency and throughput of each, and, from the
 optimized HLO XLA produced, how many GEMMs became cuBLASLt FP8 matmuls (custom
 call ``__cublas$lt$matmul$f8``): XLA's GEMM rewriter turns a dot whose operands
 are dequantized float8 into one on GPUs that have FP8 tensor cores (compute
-capability 8.9 and later: Ada, Hopper, Blackwell).
+capability 8.9 and later: Ada, Hopper, Blackwell), and how many GEMMs multiply
+int8 by int8 (an ``s8`` dot, cuBLAS custom call or Triton GEMM fusion): the
+int8 tensor-core path of tfpolicy's integer matmuls.
 
 A variant tfpolicy refuses (a policy this version cannot apply) is reported as
 skipped, one XLA cannot run as failed; neither stops the others. Without a GPU
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import pathlib
 import sys
 import tempfile
@@ -48,15 +52,18 @@ sys.path.insert(0, str(REPO_ROOT / "tools"))
 FP8_GEMM = "__cublas$lt$matmul$f8"
 GEMM_TARGETS = ("__cublas$lt$matmul$f8", "__cublas$lt$matmul", "__cublas$gemm")
 FLOAT8 = "float8_from_mixed_bfloat16"
+INT8 = "int8_from_mixed_bfloat16"
+PROJECTIONS = (r"block_\d+_ffn_(in|out)", r"block_\d+_mha/(query|key|value|attention_output)")
 VARIANTS: dict[str, Optional[dict]] = {
     "fp32": None,
     "mixed_bfloat16": {"default_policy": "mixed_bfloat16"},
     "float8": {
         "default_policy": "mixed_bfloat16",
-        "policy_map": {
-            r"block_\d+_ffn_(in|out)": FLOAT8,
-            r"block_\d+_mha/(query|key|value|attention_output)": FLOAT8,
-        },
+        "policy_map": {pattern: FLOAT8 for pattern in PROJECTIONS},
+    },
+    "int8": {
+        "default_policy": "mixed_bfloat16",
+        "policy_map": {pattern: INT8 for pattern in PROJECTIONS},
     },
 }
 SMOKE = {"depth": 1, "width": 64, "heads": 2, "seq": 16, "ffn": 128, "batch": 4, "iters": 3}
@@ -151,6 +158,7 @@ def measure(tf: Any, saved_model: pathlib.Path, device: str, args: argparse.Name
         "ms_per_batch": 1000 * elapsed / max(args.iters, 1),
         "examples_per_s": args.batch * args.iters / elapsed if elapsed > 0 else float("nan"),
         "gemm_calls": {target: _custom_calls(hlo, target) for target in GEMM_TARGETS},
+        "int8_gemms": int8_gemms(hlo),
         "f8_in_hlo": "f8e4m3fn" in hlo or "f8e5m2" in hlo,
         "finite": bool(np.all(np.isfinite(output))),
         "hlo": hlo,
@@ -168,19 +176,42 @@ def _custom_calls(hlo: str, target: str) -> int:
     return hlo.count(f'custom_call_target="{target}"')
 
 
+def int8_gemms(hlo: str) -> int:
+    """Dots and GEMM custom calls of the HLO whose two first operands are int8 (``s8``).
+
+    Optimized HLO names operands without their types, so each instruction's
+    type is looked up within its computation.
+    """
+    count = 0
+    types: dict[str, str] = {}
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):  # a new computation
+            types = {}
+        match = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = (\S+)", line)
+        if not match:
+            continue
+        types[match.group(1)] = match.group(2)
+        call = line[match.end():]
+        is_gemm = call.lstrip().startswith("dot(") or any(f'custom_call_target="{t}"' in line for t in GEMM_TARGETS)
+        operands = re.findall(r"%[\w.-]+", call[: call.find(")")]) if is_gemm else []
+        if len(operands) >= 2 and all(types.get(o, "").startswith("s8[") for o in operands[:2]):
+            count += 1
+    return count
+
+
 def format_table(rows: dict[str, dict]) -> str:
     base = rows.get("fp32", {}).get("examples_per_s")
-    header = ("variant", "compile s", "ms/batch", "examples/s", "vs fp32", "FP8 GEMMs", "other GEMMs", "note")
+    header = ("variant", "compile s", "ms/batch", "examples/s", "vs fp32", "FP8 GEMMs", "int8 GEMMs", "other GEMMs", "note")
     lines = []
     for name, row in rows.items():
         if "examples_per_s" not in row:
-            lines.append((name, "-", "-", "-", "-", "-", "-", _short(row.get("note", ""))))
+            lines.append((name, "-", "-", "-", "-", "-", "-", "-", _short(row.get("note", ""))))
             continue
         calls = row["gemm_calls"]
         other = sum(n for t, n in calls.items() if t != FP8_GEMM)
         speedup = f"{row['examples_per_s'] / base:.2f}x" if base else "-"
         lines.append((name, f"{row['compile_s']:.1f}", f"{row['ms_per_batch']:.2f}", f"{row['examples_per_s']:.0f}",
-                      speedup, str(calls[FP8_GEMM]), str(other), _short(row.get("note", ""))))
+                      speedup, str(calls[FP8_GEMM]), str(row["int8_gemms"]), str(other), _short(row.get("note", ""))))
     widths = [max(len(r[i]) for r in (header, *lines)) for i in range(len(header))]
     out = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip(), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines]
@@ -242,6 +273,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(format_table(rows))
     line, has_fp8 = verdict(rows, device)
     print(line)
+    int8 = rows.get("int8", {})
+    print(f"int8: {int8['int8_gemms']} GEMM(s) with int8 operands" if "int8_gemms" in int8
+          else f"int8: not run ({int8.get('note', 'unknown')})")
     if args.json:
         clean = {name: {k: v for k, v in row.items() if k != "hlo"} for name, row in rows.items()}
         args.json.write_text(json.dumps({"machine": machine, "shape": shape, "variants": clean, "verdict": line}, indent=2) + "\n")
