@@ -1,6 +1,6 @@
 """int4 as Keras stores and runs it: packed kernels, Keras's scales and zero points, Keras's output.
 
-Dense, EinsumDense and Embedding models are quantized by Keras itself (each
+Dense, EinsumDense, Embedding and transformer-block models are quantized by Keras itself (each
 layer given the source policy, then ``layer.quantize("int4", config=
 Int4QuantizationConfig(block_size=...))``, the same float32 weights) and by the
 rewrite under ``int4/<block>_from_<source>``. Keras 3.15's int4 is weight-only:
@@ -40,12 +40,22 @@ def _embedding():
     return keras.Model(tokens, keras.layers.Dense(4, name="out")(x))
 
 
+def _transformer_block():
+    tokens = keras.Input((5, 16))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, name="mha")(tokens, tokens)
+    x = keras.layers.LayerNormalization(name="ln")(keras.layers.Add()([tokens, attention]))
+    h = keras.layers.Dense(16, name="ffn_out")(keras.layers.Dense(32, activation="gelu", name="ffn_in")(x))
+    return keras.Model(tokens, keras.layers.Dense(4, name="head")(keras.layers.Add()([x, h])))
+
+
+QUANTIZABLE = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
 BUILDERS = {
     "dense_mlp": lambda: _dense_mlp(None),
     "dense_sequence": lambda: _dense_mlp(6),
     "einsum_static": lambda: _einsum_stack(6),
     "einsum_dynamic": lambda: _einsum_stack(None),
     "embedding": _embedding,
+    "transformer_block": _transformer_block,
 }
 BLOCKS = {"per_channel": -1, "block8": 8}
 
@@ -69,9 +79,12 @@ class Case:
     def _quantized_by_keras(self) -> keras.Model:
         model = self.build()
         model.set_weights(self.weights)
-        for layer in model.layers[1:]:
-            layer.dtype_policy = self.source
-            layer.quantize("int4", config=Int4QuantizationConfig(block_size=self.block))
+        for layer in model._flatten_layers(include_self=False):
+            if layer.path:
+                layer.dtype_policy = self.source
+        for layer in model._flatten_layers(include_self=False):
+            if isinstance(layer, QUANTIZABLE):
+                layer.quantize("int4", config=Int4QuantizationConfig(block_size=self.block))
         return model
 
     def keras_output(self) -> np.ndarray:
