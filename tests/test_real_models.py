@@ -3,7 +3,7 @@
 The zoo is ``tools/realmodels.py``'s (keras_hub BERT, DistilBERT, GPT-2, Llama;
 keras.applications ResNet50, MobileNetV3Small, ConvNeXtTiny; tf-keras
 MobileNetV2), each exported once per session with random weights, each under
-four maps (``bf16``, ``int8``, ``float8`` calibrated, a per-layer ``mix``). For
+five maps (``bf16``, ``int8``, ``int4``, ``float8`` calibrated, a per-layer ``mix``). For
 every pair: tfpolicy exits cleanly with the serving checks on, both loaders
 run every signature, signatures are unchanged to the static dimension, every
 signature still compiles under XLA, and the error against float32 stays within
@@ -32,7 +32,8 @@ FLOAT_BOUND = 1.1
 QUANTIZED_BOUND = 1.25
 # Every map on the transformers; the large CNNs (10-50 s a case on two cores)
 # under bf16 and int8 here, all four in tools/realmodels.py's table.
-_CNN_MAPS = {"resnet50": ("bf16", "int8"), "mobilenetv3small": realmodels.MAPS,
+# int4 applies to Dense/EinsumDense layers, of which these CNNs have none or one.
+_CNN_MAPS = {"resnet50": ("bf16", "int8"), "mobilenetv3small": tuple(m for m in realmodels.MAPS if m != "int4"),
              "convnexttiny": ("bf16", "int8"), "tfkeras_mobilenetv2": ("bf16", "int8")}
 CASES = [(model, which) for model in realmodels.MODELS for which in _CNN_MAPS.get(model, realmodels.MAPS)]
 
@@ -87,7 +88,7 @@ def test_rewrites_with_defaults_as_faithfully_as_keras(real_zoo, tmp_path, name,
     assert all(np.isfinite(v).all() for v in y_tool.values())
     e_tool = realmodels.relative_error(y_tool, y_ref)
     assert e_tool > 0  # the map changed something
-    if which == "int8":
+    if which in ("int8", "int4"):
         assert sum(q.ops_quantized for q in report.quantization.values()) > 0
     if model.rebuild is None:  # tf-keras: no Keras 3 oracle; the error stays a precision error
         assert e_tool < 0.1, e_tool

@@ -23,6 +23,7 @@ sequence 32); keras.applications ``ResNet50``, ``MobileNetV3Small``,
 ``ConvNeXtTiny`` (64x64x3, 10 classes, logits, BatchNorm statistics set from
 data); tf-keras ``MobileNetV2``. The maps: all ``mixed_bfloat16``;
 ``int8_from_mixed_bfloat16`` on every Dense/EinsumDense/Conv layer;
+``int4/128_from_mixed_bfloat16`` on the Dense/EinsumDense layers;
 ``float8_from_mixed_bfloat16`` (history 16) on the Dense/EinsumDense layers,
 calibrated; and a per-layer mix of exact and regex keys over the model's real
 layer paths. Keras cannot quantize convolutions: for those layers the Keras
@@ -54,7 +55,8 @@ IMAGE = (64, 64, 3)
 BATCH = 4
 CALIBRATION_BATCHES = 4
 MODELS = ("bert", "distilbert", "gpt2", "llama", "resnet50", "mobilenetv3small", "convnexttiny", "tfkeras_mobilenetv2")
-MAPS = ("bf16", "int8", "float8", "mix")
+MAPS = ("bf16", "int8", "int4", "float8", "mix")
+INT4_POLICY = "int4/128_from_mixed_bfloat16"  # Keras's default int4 block, as its setter quantizes
 FLOAT8_POLICY = {"name": "float8_from_mixed_bfloat16", "amax_history_length": 16}
 DENSE_CLASSES = ("Dense", "EinsumDense")
 CONV_CLASSES = ("Conv1D", "Conv2D", "DepthwiseConv2D", "Conv2DTranspose", "SeparableConv2D")
@@ -250,6 +252,8 @@ def policy_map(model: RealModel, which: str) -> dict:
     if which == "int8":
         return {"default_policy": "mixed_bfloat16",
                 "policy_map": {p: "int8_from_mixed_bfloat16" for p in dense + conv}}
+    if which == "int4":
+        return {"default_policy": "mixed_bfloat16", "policy_map": {p: INT4_POLICY for p in dense}}
     if which == "float8":
         return {"default_policy": "mixed_bfloat16", "policy_map": {p: FLOAT8_POLICY for p in dense}}
     if which == "mix":
