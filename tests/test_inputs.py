@@ -1,4 +1,4 @@
-"""tfpolicy.inputs: npz loading, signature checks, batching, generated inputs.
+"""tfpolicy.validation.inputs: npz loading, signature checks, batching, generated inputs.
 
 Signatures come from real zoo SavedModels (``keras3_mlp``: features float32
 (None, 16); ``keras3_string_lookup``: words string (None, 6); ``tf_module``:
@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 import tfpolicy
-from tfpolicy import inputs
 from tfpolicy.errors import InputDataError
+from tfpolicy.validation import inputs
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for tfpolicy.policy_map, with Keras's own DTypePolicyMap as the oracle."""
+"""Tests for tfpolicy.analysis.policy_map, with Keras's own DTypePolicyMap as the oracle."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tfpolicy.analysis.policy_map import PolicyMap, PolicyMatch, describe_policy, is_quantized
 from tfpolicy.errors import AmbiguousPathError, PolicyMapError
-from tfpolicy.policy_map import PolicyMap, PolicyMatch, describe_policy, is_quantized
 
 dp = keras.dtype_policies
 
@@ -103,7 +103,7 @@ def test_keras_form_with_null_default_uses_global_policy(caplog: pytest.LogCaptu
     m["a"] = "bfloat16"
     m["q"] = "int8_from_mixed_bfloat16"
     document = json.loads(_serialized(m))  # Keras nulls the value names here.
-    with caplog.at_level(logging.WARNING, logger="tfpolicy.policy_map"):
+    with caplog.at_level(logging.WARNING, logger="tfpolicy.analysis.policy_map"):
         pm = PolicyMap.load(document)
     theirs = dp.DTypePolicyMap.from_config(document["config"])
     assert pm.default_policy == keras.config.dtype_policy()

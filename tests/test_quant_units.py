@@ -9,9 +9,9 @@ import pytest
 from tensorflow.core.framework import attr_value_pb2
 
 import keras
-from tfpolicy import quant_sites
+from tfpolicy.analysis import kernel_trace, quant_rules, quant_sites
+from tfpolicy.core.graph import Node
 from tfpolicy.passes import quantize
-from tfpolicy.graph import Node
 
 def test_graph_constants_are_keras_defaults():
     """The constants the quantize pass writes into graphs are those of Keras's formulas."""
@@ -32,16 +32,16 @@ def test_graph_constants_are_keras_defaults():
     ],
 )
 def test_reshape_groups(source, target, groups):
-    assert quant_sites._reshape_groups(source, target) == groups
+    assert kernel_trace.reshape_groups(source, target) == groups
 
 
 def test_reduced_axes_map_back_through_a_reshape():
     # MHA's query kernel (16, 2, 8) is reshaped to (16, 16) and contracted over axis 0.
-    assert quant_sites._reshape_axes_back((16, 2, 8), (16, 16), {0}) == {0}
+    assert kernel_trace.reshape_axes_back((16, 2, 8), (16, 16), {0}) == {0}
     # attention_output's kernel (2, 8, 16) -> (16, 16), contracted over axis 0 = heads x dims.
-    assert quant_sites._reshape_axes_back((2, 8, 16), (16, 16), {0}) == {0, 1}
+    assert kernel_trace.reshape_axes_back((2, 8, 16), (16, 16), {0}) == {0, 1}
     # A reshape that splits a contracted axis from an output axis cannot carry a per-channel scale.
-    assert quant_sites._reshape_axes_back((6, 4), (4, 6), {0}) is None
+    assert kernel_trace.reshape_axes_back((6, 4), (4, 6), {0}) is None
 
 
 def _node(op: str, **attrs) -> Node:
@@ -67,10 +67,10 @@ def _node(op: str, **attrs) -> Node:
     ],
 )
 def test_contraction_rules(node, kernel_reduced, input_reduced):
-    first = quant_sites.RULES[node.op](node)[0]
+    first = quant_rules.RULES[node.op](node)[0]
     assert (first.kernel_position, first.input_position) == (1, 0)
     assert first.kernel_reduced == kernel_reduced and first.input_reduced == input_reduced
 
 
 def test_einsum_with_ellipsis_is_not_a_kernel_contraction():
-    assert quant_sites.RULES["Einsum"](_node("Einsum", equation="...c,cd->...d")) == []
+    assert quant_rules.RULES["Einsum"](_node("Einsum", equation="...c,cd->...d")) == []

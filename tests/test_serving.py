@@ -21,8 +21,8 @@ import pytest
 import tensorflow as tf
 from tensorflow_serving.apis import prediction_log_pb2
 
-from tfpolicy import serving
 from tfpolicy.errors import InputDataError, OutputError
+from tfpolicy.serving import export as serving
 from cli_helpers import REPO_ROOT, describe, leftovers, run_cli, tree_digest
 
 MAP = {"default_policy": "mixed_bfloat16", "policy_map": {"head": "float32"}}
@@ -159,7 +159,7 @@ def test_base_that_is_a_file_or_a_saved_model_is_refused(mlp, tmp_path):
 
 
 _EXPORT_SCRIPT = """
-import sys, tfpolicy.serving as s
+import sys, tfpolicy.serving.export as s
 s.export(sys.argv[1], sys.argv[2], {"default_policy": "mixed_bfloat16"})
 """
 

@@ -14,8 +14,8 @@ import shutil
 import pytest
 
 import tfpolicy
-from tfpolicy import serving_checks
 from tfpolicy.errors import ServingCheckError, TargetError
+from tfpolicy.serving import checks as serving_checks
 from cli_helpers import describe, run_cli, tree_digest
 
 BF16 = {"default_policy": "mixed_bfloat16"}

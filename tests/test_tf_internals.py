@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpolicy import savedmodel_io, tf_internals
+from tfpolicy.core import savedmodel_io, tf_internals
 
 
 def test_op_defs_and_kernels_are_read_from_the_registry():

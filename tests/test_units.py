@@ -6,12 +6,13 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
-from tfpolicy import layer_index, tf_names
-from tfpolicy.graph import Graph
-from tfpolicy.layer_index import LayerIndex, find_layer_scope, normalize_scope
+from tfpolicy.analysis import layer_index
+from tfpolicy.analysis.layer_index import LayerIndex, find_layer_scope, normalize_scope
+from tfpolicy.analysis.plan import LayerPlan, Plan
+from tfpolicy.core import tf_names
+from tfpolicy.core.graph import Graph
+from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.passes.float_precision import FloatPrecisionPass
-from tfpolicy.plan import LayerPlan, Plan
-from tfpolicy.tf_names import TensorRef
 
 F32, BF16 = types_pb2.DT_FLOAT, types_pb2.DT_BFLOAT16
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import tfpolicy
-from tfpolicy import html_report
 from tfpolicy.errors import InputDataError
+from tfpolicy.validation import html_report
 from cli_helpers import describe, run_cli, tree_digest
 
 

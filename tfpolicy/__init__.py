@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "rewrite": "tfpolicy.api",
     "explain": "tfpolicy.api",
-    "PolicyMap": "tfpolicy.policy_map",
+    "PolicyMap": "tfpolicy.analysis.policy_map",
     "Report": "tfpolicy.report",
     "TfPolicyError": "tfpolicy.errors",
     "PolicyMapError": "tfpolicy.errors",
@@ -30,7 +30,7 @@ _EXPORTS = {
     "TargetError": "tfpolicy.errors",
     "ServingCheckError": "tfpolicy.errors",
     "ValidationError": "tfpolicy.errors",
-    "validate": "tfpolicy.validation",
+    "validate": "tfpolicy.validation.compare",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -15,17 +15,19 @@ from typing import Callable, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tfpolicy import assemble, calibration, index_limits, inputs, layer_index, quant_sites, savedmodel_io, tf_names
+from tfpolicy.analysis import index_limits, layer_index, quant_sites
+from tfpolicy.analysis.plan import Plan
+from tfpolicy.analysis.plan import plan as make_plan
+from tfpolicy.analysis.policy_map import PolicyMap, PolicyMapSource
+from tfpolicy.core import assemble, savedmodel_io, tf_names
 from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
-from tfpolicy.passes import PassResult, run_passes
+from tfpolicy.passes import PassResult, calibration, run_passes
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
 from tfpolicy.passes.quantize import NewVariable, QuantizePass, build_variables
-from tfpolicy.plan import Plan
-from tfpolicy.plan import plan as make_plan
-from tfpolicy.policy_map import PolicyMap, PolicyMapSource
 from tfpolicy.report import Report, SignatureReport, quantization_rows
-from tfpolicy.serving_checks import check_target, check_target_name
-from tfpolicy.serving_checks import run as run_serving_checks
+from tfpolicy.serving.checks import check_target, check_target_name
+from tfpolicy.serving.checks import run as run_serving_checks
+from tfpolicy.validation import inputs
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ def rewrite(
     ``target`` ("gpu", "tpu", "cpu") refuses dtypes the target cannot run (a
     TPU: float16, float8, float64). Unless ``serving_checks=False``, the saved
     output is loaded with the TF1 session loader and every signature lowered
-    to XLA before it is renamed into place (see :mod:`tfpolicy.serving_checks`);
+    to XLA before it is renamed into place (see :mod:`tfpolicy.serving.checks`);
     ``report.serving_checks`` holds the outcome.
 
     Raises a :class:`~tfpolicy.errors.TfPolicyError` for every user error,

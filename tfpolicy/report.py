@@ -11,8 +11,8 @@ import json
 import pathlib
 from typing import Any, Mapping, Optional
 
-from tfpolicy.plan import LayerPlan, Plan
-from tfpolicy.quant_sites import QuantPlan
+from tfpolicy.analysis.plan import LayerPlan, Plan
+from tfpolicy.analysis.quant_sites import QuantPlan
 
 OUTSIDE = "(outside every layer)"
 

@@ -32,7 +32,7 @@ from absl import app, flags  # noqa: E402
 
 if TYPE_CHECKING:  # imported lazily at run time, after TensorFlow is quieted
     from tfpolicy.report import Report
-    from tfpolicy.validation import ValidationReport
+    from tfpolicy.validation.compare import ValidationReport
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("map", None, "Policy map JSON file: Keras's serialized DTypePolicyMap, or "
@@ -142,7 +142,7 @@ def main(argv: Sequence[str]) -> None:
         else:
             data = FLAGS.validation_data or FLAGS.calibration_data
             if FLAGS.validate and data is not None:
-                from tfpolicy import validation as validation_module  # noqa: PLC0415
+                from tfpolicy.validation import compare as validation_module  # noqa: PLC0415
 
                 validation_module.check_data(positional[0], data, signatures=FLAGS.signatures)
             if FLAGS.serving_base:
@@ -194,7 +194,7 @@ def _rewrite(input_dir: str, output_dir: str, started: float) -> Report:
 
 
 def _export(input_dir: str, started: float) -> tuple[Report, Optional[ValidationReport]]:
-    from tfpolicy import serving  # noqa: PLC0415
+    from tfpolicy.serving import export as serving  # noqa: PLC0415
 
     _progress(f"exporting {input_dir} -> {FLAGS.serving_base}/<version>")
     batches, _ = _calibration_batches()
@@ -236,7 +236,7 @@ def _write_reports(report: Optional[Report], validation: Optional[ValidationRepo
 
     if validation is not None:
         print(validation.format_table(), flush=True)
-    from tfpolicy import html_report  # noqa: PLC0415
+    from tfpolicy.validation import html_report  # noqa: PLC0415
 
     writers = []
     if FLAGS.report and report is not None:
@@ -259,7 +259,7 @@ def _calibration_batches():
     """The --calibration_data batches (read now, so a bad file fails first) and a progress bar."""
     if FLAGS.calibration_data is None:
         return None, None
-    from tfpolicy import inputs  # noqa: PLC0415
+    from tfpolicy.validation import inputs  # noqa: PLC0415
 
     batches = inputs.batches_from(FLAGS.calibration_data, what="calibration data",
                                   batch_size=FLAGS.calibration_batch_size, max_batches=FLAGS.calibration_batches)

@@ -2,7 +2,7 @@
 
 Every pass is one module with one entry point ``run() -> PassResult``; the
 manager runs them in order, checks each graph a pass modified with
-:meth:`~tfpolicy.graph.Graph.verify`, and wraps a failure or a broken graph
+:meth:`~tfpolicy.core.graph.Graph.verify`, and wraps a failure or a broken graph
 with the pass's name (:class:`~tfpolicy.errors.PassError`).
 """
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from tfpolicy.errors import PassError, TfPolicyError
 
 if TYPE_CHECKING:
-    from tfpolicy.graph import Graph
+    from tfpolicy.core.graph import Graph
 
 logger = logging.getLogger(__name__)
 

@@ -46,11 +46,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
-from tfpolicy import tf_names
-from tfpolicy.graph import Graph, Node
-from tfpolicy.layer_index import LayerIndex
-from tfpolicy.plan import Plan
-from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef
+from tfpolicy.analysis.layer_index import LayerIndex
+from tfpolicy.analysis.plan import Plan
+from tfpolicy.core import tf_names
+from tfpolicy.core.graph import Graph, Node
+from tfpolicy.core.tf_names import FLOAT_DTYPES, TensorRef
 
 logger = logging.getLogger(__name__)
 

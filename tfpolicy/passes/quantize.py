@@ -1,7 +1,7 @@
 """The quantization pass: int8 and float8 quantize-dequantize at each site.
 
 Runs after the float pass, on the top-level graph of each signature, from a
-frozen :class:`~tfpolicy.quant_sites.QuantPlan`. Every new op computes in the
+frozen :class:`~tfpolicy.analysis.quant_sites.QuantPlan`. Every new op computes in the
 dtype its operand already has (the layer's compute dtype), as Keras's
 quantized layers do.
 
@@ -47,13 +47,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2, types_pb2
 
-from tfpolicy.graph import Graph, Node
-from tfpolicy.layer_index import LayerIndex
-from tfpolicy.quant_sites import Float8Group, Int4Kernel, Int8Kernel, QuantPlan, Site
-from tfpolicy.tf_names import TensorRef
-from tfpolicy.tf_names import bool_attr as _bool
-from tfpolicy.tf_names import int_attr as _int
-from tfpolicy.tf_names import type_attr as _type
+from tfpolicy.analysis.layer_index import LayerIndex
+from tfpolicy.analysis.quant_sites import Float8Group, Int4Kernel, Int8Kernel, QuantPlan, Site
+from tfpolicy.core.graph import Graph, Node
+from tfpolicy.core.tf_names import TensorRef
+from tfpolicy.core.tf_names import bool_attr as _bool
+from tfpolicy.core.tf_names import int_attr as _int
+from tfpolicy.core.tf_names import type_attr as _type
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Mapping, Optional, Sequence
 
 from tensorflow.core.framework import attr_value_pb2, function_pb2, op_def_pb2, types_pb2
 
-from tfpolicy import tf_internals
+from tfpolicy.core import tf_internals
 
 FLOAT_DTYPES = frozenset(
     {types_pb2.DT_FLOAT, types_pb2.DT_BFLOAT16, types_pb2.DT_HALF, types_pb2.DT_DOUBLE}
@@ -32,7 +32,7 @@ CONTRACTION_OPS = frozenset(
     }
 )
 """Ops that contract an operand with a kernel: what int8 and float8 quantize
-(:data:`tfpolicy.quant_sites.RULES` has one rule for each, plus the gathers)."""
+(:data:`tfpolicy.analysis.quant_sites.RULES` has one rule for each, plus the gathers)."""
 
 DTYPE_NAMES = {
     types_pb2.DT_FLOAT: "float32",

@@ -33,7 +33,7 @@ p.note { color: #555; font-size: 0.9em; max-width: 60em; }
 
 
 def render(validation: Any, report: Optional[Any] = None, *, title: str = "tfpolicy validation report") -> str:
-    """The page for a :class:`~tfpolicy.validation.ValidationReport` (and the rewrite's report)."""
+    """The page for a :class:`~tfpolicy.validation.compare.ValidationReport` (and the rewrite's report)."""
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',

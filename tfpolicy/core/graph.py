@@ -2,7 +2,7 @@
 
 One :class:`Graph` holds either a signature's inlined top-level graph or the
 body of one library function (a While/If body). Inputs are always in the flat
-``node:idx`` form (see :mod:`tfpolicy.tf_names`); function arguments are nodes
+``node:idx`` form (see :mod:`tfpolicy.core.tf_names`); function arguments are nodes
 of op ``_Arg`` and function results are listed in :attr:`Graph.outputs`, so that
 passes treat both kinds of graph alike.
 
@@ -22,8 +22,8 @@ from typing import Iterable, Iterator, Mapping, Optional
 
 from tensorflow.core.framework import attr_value_pb2, op_def_pb2
 
-from tfpolicy import tf_names
-from tfpolicy.tf_names import TensorRef
+from tfpolicy.core import tf_names
+from tfpolicy.core.tf_names import TensorRef
 
 logger = logging.getLogger(__name__)
 

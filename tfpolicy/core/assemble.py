@@ -21,10 +21,10 @@ from typing import Optional
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
-from tfpolicy import savedmodel_io, tf_internals
+from tfpolicy.core import savedmodel_io, tf_internals
+from tfpolicy.core.savedmodel_io import LoadedModel, SignatureProgram
+from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.passes.quantize import NewVariable
-from tfpolicy.savedmodel_io import LoadedModel, SignatureProgram
-from tfpolicy.tf_names import TensorRef
 
 
 class QuantizationModule(tf.Module):

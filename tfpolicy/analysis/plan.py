@@ -12,9 +12,9 @@ from typing import Optional
 
 from tensorflow.core.framework import types_pb2
 
-from tfpolicy import tf_names
-from tfpolicy.layer_index import LayerIndex
-from tfpolicy.policy_map import PolicyMap, describe_policy
+from tfpolicy.analysis.layer_index import LayerIndex
+from tfpolicy.analysis.policy_map import PolicyMap, describe_policy
+from tfpolicy.core import tf_names
 
 _DTYPE_ENUMS = {
     "float32": types_pb2.DT_FLOAT,

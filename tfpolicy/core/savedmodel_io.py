@@ -32,10 +32,10 @@ import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 
-from tfpolicy import tf_internals, tf_names
+from tfpolicy.core import tf_internals, tf_names
+from tfpolicy.core.graph import Graph, Node
+from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.errors import OutputError, SavedModelError, cause_line
-from tfpolicy.graph import Graph, Node
-from tfpolicy.tf_names import TensorRef
 
 logger = logging.getLogger(__name__)
 

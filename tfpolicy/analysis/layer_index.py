@@ -39,10 +39,10 @@ from typing import Iterable, Optional
 
 import tensorflow as tf
 
-from tfpolicy import tf_names
-from tfpolicy.graph import Graph, Node
-from tfpolicy.savedmodel_io import LoadedModel, SignatureProgram
-from tfpolicy.tf_names import TensorRef
+from tfpolicy.core import tf_names
+from tfpolicy.core.graph import Graph, Node
+from tfpolicy.core.savedmodel_io import LoadedModel, SignatureProgram
+from tfpolicy.core.tf_names import TensorRef
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,10 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import tensorflow as tf
 
-from tfpolicy import inputs, tf_internals
+from tfpolicy.analysis.plan import Plan
+from tfpolicy.core import tf_internals
 from tfpolicy.errors import ServingCheckError, TargetError, cause_line
-from tfpolicy.plan import Plan
+from tfpolicy.validation import inputs
 
 logger = logging.getLogger(__name__)
 

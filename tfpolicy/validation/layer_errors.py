@@ -1,14 +1,14 @@
 """Per-layer error: compare each layer's output tensors in the float and the rewritten graph.
 
-Used by :mod:`tfpolicy.validation`. Both SavedModels are loaded through the
-serde boundary (:func:`tfpolicy.savedmodel_io.load`: inlined signature graphs),
-and the float model is indexed (:func:`tfpolicy.layer_index.build`) so that
+Used by :mod:`tfpolicy.validation.compare`. Both SavedModels are loaded through the
+serde boundary (:func:`tfpolicy.core.savedmodel_io.load`: inlined signature graphs),
+and the float model is indexed (:func:`tfpolicy.analysis.layer_index.build`) so that
 every node has a layer path. A layer's output tensors are the float outputs of
 its nodes that a node of another layer, or the signature's result, reads.
 
 Three evaluations per batch, each a function built from a signature graph with
 extra fetches (``wrap_function.function_from_graph_def``, the way
-:func:`tfpolicy.savedmodel_io.rebuild_function` rebuilds a signature)::
+:func:`tfpolicy.core.savedmodel_io.rebuild_function` rebuilds a signature)::
 
     float:       inputs -> every layer output tensor t           (the reference, ref[t])
     cumulative:  inputs -> rewritten t                           (errors accumulated up to t)
@@ -32,10 +32,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 
-from tfpolicy import layer_index, savedmodel_io, tf_internals
-from tfpolicy.graph import Graph, Node
-from tfpolicy.savedmodel_io import SignatureProgram
-from tfpolicy.tf_names import FLOAT_DTYPES, TensorRef, parse_input
+from tfpolicy.analysis import layer_index
+from tfpolicy.core import savedmodel_io, tf_internals
+from tfpolicy.core.graph import Graph, Node
+from tfpolicy.core.savedmodel_io import SignatureProgram
+from tfpolicy.core.tf_names import FLOAT_DTYPES, TensorRef, parse_input
 
 logger = logging.getLogger(__name__)
 

@@ -182,7 +182,7 @@ def generate_inputs(
 
     Floats are standard normal, integers drawn from ``[0, 4)``, or from
     ``[0, integer_limits[name])`` when that is smaller (the size of the table
-    the input indexes: see :mod:`tfpolicy.index_limits`), bools fair coins,
+    the input indexes: see :mod:`tfpolicy.analysis.index_limits`), bools fair coins,
     strings drawn from :data:`STRING_TOKENS`.
     The first ``None`` dimension is ``batch``, other ``None`` dimensions are
     :data:`UNKNOWN_DIM`.

@@ -12,17 +12,17 @@ batch's input amax (``compute_float8_amax_history`` then
     outputs: {"<layer>/inputs_scale": scale'}
 
 Each assignment waits for the forward pass's read of the same variable.
-``tfpolicy.rewrite`` feeds it the calibration batches (see :mod:`tfpolicy.inputs`).
+``tfpolicy.rewrite`` feeds it the calibration batches (see :mod:`tfpolicy.validation.inputs`).
 """
 
 from __future__ import annotations
 
 import logging
 
+from tfpolicy.core.tf_names import TensorRef
+from tfpolicy.core.tf_names import bool_attr as _bool
+from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.passes.quantize import CAPTURE_SCOPE, F32, FLOAT8_E4M3_MAX, INT32, QuantizePass
-from tfpolicy.tf_names import TensorRef
-from tfpolicy.tf_names import bool_attr as _bool
-from tfpolicy.tf_names import type_attr as _type
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,11 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from tfpolicy import inputs, savedmodel_io
+from tfpolicy.analysis.policy_map import PolicyMapSource
+from tfpolicy.core import savedmodel_io
 from tfpolicy.errors import InputDataError, MissingDependencyError, OutputError, ValidationError
-from tfpolicy.policy_map import PolicyMapSource
 from tfpolicy.report import Report
+from tfpolicy.validation import inputs
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,10 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from tfpolicy import inputs, savedmodel_io
+from tfpolicy.core import savedmodel_io
 from tfpolicy.errors import InputDataError
-from tfpolicy.layer_errors import ErrorAccumulator, LayerStats, compare_layers, json_float
+from tfpolicy.validation import inputs
+from tfpolicy.validation.layer_errors import ErrorAccumulator, LayerStats, compare_layers, json_float
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def validate(
     """Compare the SavedModels at ``input_dir`` (float) and ``output_dir`` (rewritten).
 
     ``data`` is an npz path, a dict of arrays or an iterable of dicts (see
-    :func:`tfpolicy.inputs.batches_from`). A signature whose input names are
+    :func:`tfpolicy.validation.inputs.batches_from`). A signature whose input names are
     exactly the data's runs on it; every other signature (and all of them when
     ``data`` is None) runs on generated inputs. ``layers=False`` skips the
     per-layer comparison. Never raises for a large error: see

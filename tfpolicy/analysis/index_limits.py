@@ -20,10 +20,10 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from tfpolicy.graph import Graph, Node
-from tfpolicy.layer_index import LayerIndex
-from tfpolicy.savedmodel_io import SignatureProgram
-from tfpolicy.tf_names import TensorRef
+from tfpolicy.analysis.layer_index import LayerIndex
+from tfpolicy.core.graph import Graph, Node
+from tfpolicy.core.savedmodel_io import SignatureProgram
+from tfpolicy.core.tf_names import TensorRef
 
 # Ops through which an index keeps its value (input position 0 carries it).
 INDEX_PRESERVING = frozenset(
