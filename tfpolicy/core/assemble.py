@@ -9,8 +9,9 @@
         └── calibrate(**inputs)  float8 only: updates input histories and scales
 
 Variables come in three kinds: kept (the loaded ones, unchanged), converted
-(a float variable stored in another float dtype) and new (int8 kernels, scales,
-amax histories: :class:`~tfpolicy.passes.quantize.NewVariable`).
+(a float variable stored in another float dtype) and new (int8 and int4 kernels,
+scales, zero points, amax histories: :class:`NewVariable`, which the quantize
+pass fills).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
 from tfpolicy.core import savedmodel_io, tf_internals
 from tfpolicy.core.savedmodel_io import LoadedModel, SignatureProgram
 from tfpolicy.core.tf_names import TensorRef
-from tfpolicy.passes.quantize import NewVariable
 
 
 class QuantizationModule(tf.Module):
@@ -39,6 +40,19 @@ class QuantizationModule(tf.Module):
     def __init__(self, variables: list[tf.Variable]) -> None:
         super().__init__(name="tfpolicy")
         self.variables = list(variables)
+
+
+@dataclasses.dataclass
+class NewVariable:
+    """A variable the rewrite creates; ``replaces`` is the uid of one it supersedes."""
+
+    name: str
+    value: np.ndarray
+    replaces: Optional[int] = None
+
+    @property
+    def dtype(self) -> int:
+        return tf.dtypes.as_dtype(self.value.dtype).as_datatype_enum
 
 
 @dataclasses.dataclass

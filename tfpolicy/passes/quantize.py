@@ -40,119 +40,35 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional
 
-import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2, types_pb2
 
 from tfpolicy.analysis.layer_index import LayerIndex
-from tfpolicy.analysis.quant_sites import Float8Group, Int4Kernel, Int8Kernel, QuantPlan, Site
+from tfpolicy.analysis.quant_sites import Float8Group, Int8Kernel, QuantPlan, Site
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import type_attr as _type
+from tfpolicy.passes.int4 import Int4Rewrites
+from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the formulas' constants, the variables)
+    EPSILON,
+    F32,
+    FLOAT8,
+    FLOAT8_E4M3_MAX,
+    INT8,
+    INT8_RANGE,
+    INT32,
+    NewVariable,
+    build_variables,
+    numpy_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
-FLOAT8 = types_pb2.DT_FLOAT8_E4M3FN
-INT8 = types_pb2.DT_INT8
-F32 = types_pb2.DT_FLOAT
-INT32 = types_pb2.DT_INT32
 CAPTURE_SCOPE = "tfpolicy"
-# The constants of Keras's formulas (``keras.quantizers``), read from Keras
-# and TensorFlow's dtypes: int8 is symmetric in [-127, 127] (``abs_max_quantize``'s
-# ``value_range``), with Keras's epsilon under the scale; float8 e4m3's
-# largest finite value bounds ``compute_float8_scale``.
-INT8_RANGE = float(np.iinfo(np.int8).max)
-EPSILON = float(keras.config.epsilon())
-FLOAT8_E4M3_MAX = float(tf.dtypes.experimental.float8_e4m3fn.max)
-
-
-def numpy_dtype(dtype: int) -> np.dtype:
-    return tf.dtypes.as_dtype(dtype).as_numpy_dtype
-
-
-# -- the variables the pass adds ---------------------------------------------------
-
-
-@dataclasses.dataclass
-class NewVariable:
-    """A variable the rewrite creates; ``replaces`` is the uid of one it supersedes."""
-
-    name: str
-    value: np.ndarray
-    replaces: Optional[int] = None
-
-    @property
-    def dtype(self) -> int:
-        return tf.dtypes.as_dtype(self.value.dtype).as_datatype_enum
-
-
-def build_variables(qplan: QuantPlan, read_value: Callable[[int], np.ndarray]) -> dict[str, NewVariable]:
-    """Initial values of every variable the quantization adds, by name.
-
-    int8: the kernel's int8 copy and its per-output-channel ``kernel_scale``
-    (the reduced axes squeezed out: ``(units,)`` for a Dense kernel, as Keras).
-    float8: ``inputs_scale`` 1 and a zero ``inputs_amax_history`` (Keras's
-    initial state until calibration); the kernel's scale and history from
-    its weights (``history[0] = max|W|``).
-    """
-    variables: dict[str, NewVariable] = {}
-    for kernel in sorted(qplan.int8_kernels.values(), key=lambda k: k.name):
-        q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
-        variables[kernel.name] = NewVariable(kernel.name, q, replaces=kernel.uid)
-        variables[kernel.scale_name] = NewVariable(kernel.scale_name, np.squeeze(scale, axis=kernel.reduced_axes))
-    for kernel in sorted(qplan.int4_kernels.values(), key=lambda k: k.name):
-        packed, scale, zero = int4_values(read_value(kernel.uid), kernel)
-        variables[kernel.name] = NewVariable(kernel.name, packed, replaces=kernel.uid)
-        variables[kernel.scale_name] = NewVariable(kernel.scale_name, scale)
-        if zero is not None:
-            variables[kernel.zero_name] = NewVariable(kernel.zero_name, zero)
-    for group in sorted(qplan.float8_groups.values(), key=lambda g: g.prefix):
-        amax = float(np.max(np.abs(read_value(group.kernel_uid))))
-        zeros = np.zeros((group.history_length,), np.float32)
-        variables[group.name("inputs_scale")] = NewVariable(group.name("inputs_scale"), np.float32(1.0).reshape(()))
-        variables[group.name("kernel_scale")] = NewVariable(
-            group.name("kernel_scale"), np.asarray(keras.quantizers.compute_float8_scale(
-                np.float32(amax), np.float32(1.0), np.float32(FLOAT8_E4M3_MAX)), np.float32).reshape(()))
-        variables[group.name("inputs_amax_history")] = NewVariable(group.name("inputs_amax_history"), zeros)
-        variables[group.name("kernel_amax_history")] = NewVariable(
-            group.name("kernel_amax_history"),
-            np.asarray(keras.quantizers.compute_float8_amax_history(np.float32([amax]), zeros), np.float32))
-    return variables
-
-
-INT4_RANGE = (-8, 7)
-
-
-def int4_values(value: np.ndarray, kernel: Int4Kernel) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    """``(packed kernel, scale, zero point or None)`` by Keras's own ``quantize("int4")``.
-
-    A matmul kernel is flattened to ``(rows, columns)`` and quantized per column
-    (``abs_max_quantize`` over axis 0) or per block of rows with a zero point, as
-    Dense and EinsumDense do; an embedding table per row or per block of
-    columns, as Embedding does. Values are packed along the last axis.
-    """
-    flat = np.asarray(value, np.float32).reshape(kernel.rows, kernel.columns)
-    zero = None
-    if kernel.embedding and kernel.block_size is None:
-        q, scale = keras.quantizers.abs_max_quantize(flat, axis=-1, value_range=INT4_RANGE, to_numpy=True)
-        scale = np.squeeze(np.asarray(scale), axis=-1)
-    elif kernel.embedding:
-        q, scale, zero = (np.asarray(t).T for t in keras.quantizers.abs_max_quantize_grouped_with_zero_point(
-            flat.T, block_size=kernel.block_size, value_range=INT4_RANGE, to_numpy=True))
-    elif kernel.block_size is None:
-        q, scale = keras.quantizers.abs_max_quantize(flat, axis=0, value_range=INT4_RANGE, to_numpy=True)
-        scale = np.squeeze(np.asarray(scale), axis=0)
-    else:
-        q, scale, zero = keras.quantizers.abs_max_quantize_grouped_with_zero_point(
-            flat, block_size=kernel.block_size, value_range=INT4_RANGE, to_numpy=True)
-    packed, _, _ = keras.quantizers.pack_int4(np.asarray(q, np.int8), axis=-1)
-    return (np.asarray(packed, np.int8), np.ascontiguousarray(scale, np.float32),
-            None if zero is None else np.ascontiguousarray(zero, np.int8))
 
 
 # -- per-graph rewriting ------------------------------------------------------------
@@ -177,7 +93,7 @@ class QuantizeResult:
         return bool(self.quantized)
 
 
-class QuantizePass:
+class QuantizePass(Int4Rewrites):
     """Rewrite the sites of one signature's top-level graph."""
 
     def __init__(
@@ -454,154 +370,6 @@ class QuantizePass:
             clipped, scale = self._abs_max(x, axes, dtype, base)
             self._qdq[key] = self.op("RealDiv", f"{base}/dequantize", [clipped, scale], T=_type(dtype))
         self.graph.replace_input(node, position, self._qdq[key])
-
-    # -- int4 ------------------------------------------------------------------------
-
-    def _unpack_int4(self, packed: TensorRef, columns: int, base: str, shape: Optional[tuple[int, ...]] = None) -> TensorRef:
-        """Keras's ``unpack_int4`` along the last axis: each byte's low nibble, then its high one, sign-extended.
-
-        ``shape`` is the packed tensor's when static (a kernel), else it is read
-        at run time (gathered rows).
-        """
-        I8 = _type(INT8)
-        mask, eight = self.const(f"{base}/mask", 0x0F, INT8), self.const(f"{base}/eight", 8, INT8)
-        high = self.op("RightShift", f"{base}/shift", [packed, self.const(f"{base}/four", 4, INT8)], T=I8)
-        self._int8_consumers.update({high.node})
-        nibbles = []
-        for half, source in (("low", packed), ("high", high)):
-            nibble = self.op("BitwiseAnd", f"{base}/{half}", [source, mask], T=I8)
-            flipped = self.op("BitwiseXor", f"{base}/{half}_xor", [nibble, eight], T=I8)
-            nibbles.append(self.op("Sub", f"{base}/{half}_signed", [flipped, eight], T=I8))
-            self._int8_consumers.add(nibble.node)
-        pairs = self.op("Pack", f"{base}/pairs", nibbles, T=I8, N=_int(2), axis=_int(-1))
-        if shape is not None:
-            target = self.const(f"{base}/shape", [*shape[:-1], 2 * shape[-1]], INT32)
-            packed_columns = shape[-1]
-        else:
-            packed_columns = (columns + 1) // 2
-            dims = self.op("Shape", f"{base}/packed_shape", [packed], T=I8, out_type=_type(INT32))
-            self._int8_consumers.add(dims.node)
-            leading = self.op("StridedSlice", f"{base}/leading", [
-                dims, self.const(f"{base}/begin", [0], INT32), self.const(f"{base}/end", [-1], INT32),
-                self.const(f"{base}/strides", [1], INT32)],
-                T=_type(INT32), Index=_type(INT32), begin_mask=_int(0), end_mask=_int(0), ellipsis_mask=_int(0),
-                new_axis_mask=_int(0), shrink_axis_mask=_int(0))
-            target = self._reshape_target(leading, [2 * packed_columns], base)
-        unpacked = self.op("Reshape", f"{base}/unpacked", [pairs, target], T=I8, Tshape=_type(INT32))
-        if 2 * packed_columns == columns:
-            return unpacked
-        return self.op("StridedSlice", f"{base}/unpadded", [  # [..., :columns]
-            unpacked, self.const(f"{base}/slice_begin", [0, 0], INT32), self.const(f"{base}/slice_end", [0, columns], INT32),
-            self.const(f"{base}/slice_strides", [1, 1], INT32)],
-            T=I8, Index=_type(INT32), begin_mask=_int(0), end_mask=_int(0), ellipsis_mask=_int(1),
-            new_axis_mask=_int(0), shrink_axis_mask=_int(0))
-
-    def _unpacked_kernel(self, read: str, kernel: Int4Kernel) -> TensorRef:
-        """The int8 values ``(rows, columns)`` of an int4 kernel read, once per read."""
-        if read not in self._unpacked:
-            packed_shape = tuple(self.variables[kernel.name].value.shape)
-            self._unpacked[read] = self._unpack_int4(TensorRef(read), kernel.columns, f"{read}/tfpolicy/int4", packed_shape)
-        return self._unpacked[read]
-
-    def _int4_matmul(self, site: Site) -> None:
-        """Keras's per-channel int4 Dense: ``matmul(x, cast(unpacked)) / kernel_scale``."""
-        node = self.graph.nodes[site.node]
-        inputs = dict(node.data_inputs())
-        x, old_kernel = inputs[0], inputs[1]
-        dtype = self.graph.tensor_dtype(x)
-        T = _type(dtype)
-        kernel = self.qplan.int4_kernels[site.variable_uid]
-        base = f"{site.node}/tfpolicy/int4"
-        values = self.op("Cast", f"{base}/kernel", [self._unpacked_kernel(site.read_node, kernel)],
-                         SrcT=_type(INT8), DstT=T, Truncate=_bool(False))
-        product = self.op(node.op, f"{base}/matmul", [x, values], **node.attrs)
-        self.graph.redefine(node, "RealDiv", [str(product), str(self.scale_as(kernel.scale_name, dtype))], {"T": T})
-        self.graph.remove_if_unused(old_kernel.node)
-
-    def _dequantized_int4(self, read: str, kernel: Int4Kernel, dtype: int) -> TensorRef:
-        """The kernel in ``dtype`` and its own shape, dequantized as Keras's int4 EinsumDense (and blocked Dense) do."""
-        T = _type(dtype)
-        base = f"{read}/tfpolicy/int4_dequantize"
-        values = self.op("Cast", f"{base}/cast", [self._unpacked_kernel(read, kernel)], SrcT=_type(INT8), DstT=T,
-                         Truncate=_bool(False))
-        if kernel.block_size is None:
-            value = self.op("RealDiv", f"{base}/divide", [values, self.scale_as(kernel.scale_name, dtype)], T=T)
-        else:
-            groups = self.const(f"{base}/groups", np.arange(kernel.rows) // kernel.block_size, INT32)
-            scales = self._take(self.scale_as(kernel.scale_name, dtype), groups, 0, dtype, f"{base}/scales")
-            zeros = self._take(self.read(kernel.zero_name), groups, 0, INT8, f"{base}/zeros_int8")
-            zeros = self.op("Cast", f"{base}/zeros", [zeros], SrcT=_type(INT8), DstT=T, Truncate=_bool(False))
-            value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [values, zeros], T=T), scales], T=T)
-        if tuple(kernel.shape) != (kernel.rows, kernel.columns):
-            value = self.op("Reshape", f"{base}/reshape", [value, self.const(f"{base}/shape", list(kernel.shape), INT32)],
-                            T=T, Tshape=_type(INT32))
-        return value
-
-    def _take(self, params: TensorRef, indices: TensorRef, axis: int, dtype: int, name: str) -> TensorRef:
-        return self.op("GatherV2", name, [params, indices, self.const(f"{name}/axis", axis, INT32)],
-                       Tparams=_type(dtype), Tindices=_type(INT32), Taxis=_type(INT32), batch_dims=_int(0))
-
-    def _store_int4(self, kernel: Int4Kernel, reads: list[Node], dtype: int) -> None:
-        """Every read of the kernel reads the packed bytes; float consumers read it dequantized in ``dtype``."""
-        for read in reads:
-            read.attrs["dtype"] = _type(INT8)
-            users = [(c, p) for c, p in self.graph.uses(TensorRef(read.name)) if c not in self._int8_consumers]
-            if not users:
-                continue
-            value = self._dequantized_int4(read.name, kernel, dtype)
-            as_float32 = None
-            for consumer, position in users:
-                node = self.graph.nodes[consumer]
-                if node.op == "Cast" and node.attrs["DstT"].type == dtype:  # the float pass's cast to the compute dtype
-                    self.graph.replace_all_uses_with(TensorRef(node.name), value)
-                    self.graph.remove_if_unused(node.name)
-                elif dtype == F32:
-                    self.graph.replace_input(node, position, value)
-                else:
-                    if as_float32 is None:
-                        as_float32 = self.op("Cast", f"{read.name}/tfpolicy/int4_float32", [value], SrcT=_type(dtype),
-                                             DstT=_type(F32), Truncate=_bool(False))
-                    self.graph.replace_input(node, position, as_float32)
-
-    def _int4_gather(self, site: Site, kernel: Int4Kernel) -> None:
-        """Gather packed rows, unpack them, and dequantize them as Keras's int4 Embedding does."""
-        node = self.graph.nodes[site.node]
-        inputs = [ref for _, ref in node.data_inputs()]
-        indices = inputs[1]
-        base = f"{node.name}/tfpolicy/int4"
-        if node.op == "GatherV2":
-            packed = self.op("GatherV2", f"{base}/packed_rows", inputs, **{**node.attrs, "Tparams": _type(INT8)})
-            gathered = lambda name, dtype: self.op(  # noqa: E731
-                "GatherV2", f"{base}/row_{name}", [self.read(name), indices, inputs[2]], **{**node.attrs, "Tparams": _type(dtype)})
-        else:
-            packed = self.op("ResourceGather", f"{base}/packed_rows", inputs, **{**node.attrs, "dtype": _type(INT8)})
-            gathered = lambda name, dtype: self.op(  # noqa: E731
-                "ResourceGather", f"{base}/row_{name}", [TensorRef(self.handle(name)), indices], **{**node.attrs, "dtype": _type(dtype)})
-        dtype = site.compute_dtype  # as the int8 lookup (see _gather)
-        T = _type(dtype)
-        values = self.op("Cast", f"{base}/cast", [self._unpack_int4(packed, kernel.columns, f"{base}/unpack")],
-                         SrcT=_type(INT8), DstT=T, Truncate=_bool(False))
-        scales = self._as(gathered(kernel.scale_name, F32), F32, dtype, f"{base}/row_scales_cast")
-        if kernel.block_size is None:
-            scales = self.op("ExpandDims", f"{base}/row_scales_expanded", [scales, self.const(f"{base}/last", -1, INT32)],
-                             T=T, Tdim=_type(INT32))
-            value = self.op("RealDiv", f"{base}/divide", [values, scales], T=T)
-        else:
-            groups = self.const(f"{base}/groups", np.arange(kernel.columns) // kernel.block_size, INT32)
-            scales = self._take(scales, groups, -1, dtype, f"{base}/scales")
-            zeros = self._take(gathered(kernel.zero_name, INT8), groups, -1, INT8, f"{base}/zeros_int8")
-            zeros = self._as(zeros, INT8, dtype, f"{base}/zeros")
-            value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [values, zeros], T=T), scales], T=T)
-        output_dtype = self.graph.output_dtypes(node)[0]
-        if dtype == output_dtype:
-            self.graph.redefine(node, "Identity", [str(value)], {"T": T})
-        else:  # the lookup's consumers read its original dtype
-            self.graph.redefine(node, "Cast", [str(value)], {"SrcT": T, "DstT": _type(output_dtype), "Truncate": _bool(False)})
-
-    def _as(self, ref: TensorRef, src: int, dst: int, name: str) -> TensorRef:
-        if src == dst:
-            return ref
-        return self.op("Cast", name, [ref], SrcT=_type(src), DstT=_type(dst), Truncate=_bool(False))
 
     # -- float8 ----------------------------------------------------------------------
 

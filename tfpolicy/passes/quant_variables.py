@@ -1,0 +1,100 @@
+"""The variables quantization adds, and their initial values from the float weights.
+
+int8 kernels and scales come from Keras's ``abs_max_quantize``; int4 kernels
+from Keras's own ``quantize("int4")`` formulas, packed with ``pack_int4``;
+float8 scales and amax histories from ``compute_float8_scale`` and
+``compute_float8_amax_history``. :func:`build_variables` gives them by name,
+for the quantize pass to read and :mod:`tfpolicy.core.assemble` to create.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+
+from tfpolicy.analysis.quant_sites import Int4Kernel, QuantPlan
+from tfpolicy.core.assemble import NewVariable
+
+FLOAT8 = types_pb2.DT_FLOAT8_E4M3FN
+INT8 = types_pb2.DT_INT8
+F32 = types_pb2.DT_FLOAT
+INT32 = types_pb2.DT_INT32
+# The constants of Keras's formulas (``keras.quantizers``), read from Keras
+# and TensorFlow's dtypes: int8 is symmetric in [-127, 127] (``abs_max_quantize``'s
+# ``value_range``), with Keras's epsilon under the scale; float8 e4m3's
+# largest finite value bounds ``compute_float8_scale``.
+INT8_RANGE = float(np.iinfo(np.int8).max)
+EPSILON = float(keras.config.epsilon())
+FLOAT8_E4M3_MAX = float(tf.dtypes.experimental.float8_e4m3fn.max)
+
+
+def numpy_dtype(dtype: int) -> np.dtype:
+    return tf.dtypes.as_dtype(dtype).as_numpy_dtype
+
+
+def build_variables(qplan: QuantPlan, read_value: Callable[[int], np.ndarray]) -> dict[str, NewVariable]:
+    """Initial values of every variable the quantization adds, by name.
+
+    int8: the kernel's int8 copy and its per-output-channel ``kernel_scale``
+    (the reduced axes squeezed out: ``(units,)`` for a Dense kernel, as Keras).
+    float8: ``inputs_scale`` 1 and a zero ``inputs_amax_history`` (Keras's
+    initial state until calibration); the kernel's scale and history from
+    its weights (``history[0] = max|W|``).
+    """
+    variables: dict[str, NewVariable] = {}
+    for kernel in sorted(qplan.int8_kernels.values(), key=lambda k: k.name):
+        q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
+        variables[kernel.name] = NewVariable(kernel.name, q, replaces=kernel.uid)
+        variables[kernel.scale_name] = NewVariable(kernel.scale_name, np.squeeze(scale, axis=kernel.reduced_axes))
+    for kernel in sorted(qplan.int4_kernels.values(), key=lambda k: k.name):
+        packed, scale, zero = int4_values(read_value(kernel.uid), kernel)
+        variables[kernel.name] = NewVariable(kernel.name, packed, replaces=kernel.uid)
+        variables[kernel.scale_name] = NewVariable(kernel.scale_name, scale)
+        if zero is not None:
+            variables[kernel.zero_name] = NewVariable(kernel.zero_name, zero)
+    for group in sorted(qplan.float8_groups.values(), key=lambda g: g.prefix):
+        amax = float(np.max(np.abs(read_value(group.kernel_uid))))
+        zeros = np.zeros((group.history_length,), np.float32)
+        variables[group.name("inputs_scale")] = NewVariable(group.name("inputs_scale"), np.float32(1.0).reshape(()))
+        variables[group.name("kernel_scale")] = NewVariable(
+            group.name("kernel_scale"), np.asarray(keras.quantizers.compute_float8_scale(
+                np.float32(amax), np.float32(1.0), np.float32(FLOAT8_E4M3_MAX)), np.float32).reshape(()))
+        variables[group.name("inputs_amax_history")] = NewVariable(group.name("inputs_amax_history"), zeros)
+        variables[group.name("kernel_amax_history")] = NewVariable(
+            group.name("kernel_amax_history"),
+            np.asarray(keras.quantizers.compute_float8_amax_history(np.float32([amax]), zeros), np.float32))
+    return variables
+
+
+INT4_RANGE = (-8, 7)
+
+
+def int4_values(value: np.ndarray, kernel: Int4Kernel) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """``(packed kernel, scale, zero point or None)`` by Keras's own ``quantize("int4")``.
+
+    A matmul kernel is flattened to ``(rows, columns)`` and quantized per column
+    (``abs_max_quantize`` over axis 0) or per block of rows with a zero point, as
+    Dense and EinsumDense do; an embedding table per row or per block of
+    columns, as Embedding does. Values are packed along the last axis.
+    """
+    flat = np.asarray(value, np.float32).reshape(kernel.rows, kernel.columns)
+    zero = None
+    if kernel.embedding and kernel.block_size is None:
+        q, scale = keras.quantizers.abs_max_quantize(flat, axis=-1, value_range=INT4_RANGE, to_numpy=True)
+        scale = np.squeeze(np.asarray(scale), axis=-1)
+    elif kernel.embedding:
+        q, scale, zero = (np.asarray(t).T for t in keras.quantizers.abs_max_quantize_grouped_with_zero_point(
+            flat.T, block_size=kernel.block_size, value_range=INT4_RANGE, to_numpy=True))
+    elif kernel.block_size is None:
+        q, scale = keras.quantizers.abs_max_quantize(flat, axis=0, value_range=INT4_RANGE, to_numpy=True)
+        scale = np.squeeze(np.asarray(scale), axis=0)
+    else:
+        q, scale, zero = keras.quantizers.abs_max_quantize_grouped_with_zero_point(
+            flat, block_size=kernel.block_size, value_range=INT4_RANGE, to_numpy=True)
+    packed, _, _ = keras.quantizers.pack_int4(np.asarray(q, np.int8), axis=-1)
+    return (np.asarray(packed, np.int8), np.ascontiguousarray(scale, np.float32),
+            None if zero is None else np.ascontiguousarray(zero, np.int8))
