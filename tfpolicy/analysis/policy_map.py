@@ -34,17 +34,17 @@ Quantized policies (int8, float8, ...) are parsed here, not refused.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Tuple, Union
 
 import keras
 
+from tfpolicy.analysis import policy_json
+from tfpolicy.analysis.policy_json import JsonPath, describe_policy, is_quantized  # noqa: F401  (re-exported)
 from tfpolicy.errors import AmbiguousPathError, PolicyMapError
 
 logger = logging.getLogger(__name__)
@@ -54,15 +54,7 @@ KerasPolicyMap = keras.dtype_policies.DTypePolicyMap
 
 PolicyMapSource = Union[str, "os.PathLike[str]", Mapping[str, Any], KerasPolicyMap, "PolicyMap"]
 
-# A position in the JSON document: the chain of object keys from the root
-# (None for an array element).
-_JsonPath = Tuple[Optional[str], ...]
 
-_PLAIN_TOP_KEYS = ("default_policy", "policy_map")
-_KERAS_TOP_KEYS = ("module", "class_name", "config", "registered_name")
-_KERAS_CONFIG_KEYS = ("default_policy", "policy_map")
-_NAME_FORM_KEYS = ("name", "amax_history_length")
-_MAX_KERAS_MESSAGE = 400
 
 
 @dataclass(frozen=True)
@@ -83,26 +75,6 @@ class PolicyMatch:
     def is_default(self) -> bool:
         """True when no key matched and the default policy applies."""
         return self.key is None
-
-
-def is_quantized(policy: DTypePolicy) -> bool:
-    """Whether ``policy`` is a quantized policy (int8, float8, int4, ...)."""
-    return policy.quantization_mode is not None
-
-
-def describe_policy(policy: DTypePolicy) -> str:
-    """A stable, human-readable name for ``policy``.
-
-    ``mixed_bfloat16``, ``int8_from_mixed_bfloat16``; a float8 policy whose
-    amax history length differs from Keras's default gets it appended:
-    ``float8_from_mixed_bfloat16(amax_history_length=16)``.
-    """
-    name = str(policy.name)
-    if isinstance(policy, keras.dtype_policies.QuantizedFloat8DTypePolicy):
-        length = policy.amax_history_length
-        if length != policy.default_amax_history_length:
-            return f"{name}(amax_history_length={length})"
-    return name
 
 
 class PolicyMap:
@@ -132,11 +104,11 @@ class PolicyMap:
         """
         self._origin = origin
         self._key_lines = dict(key_lines or {})
-        _check_policy(default_policy, f"policy map {origin}: default_policy")
+        policy_json.check_policy(default_policy, f"policy map {origin}: default_policy")
         self._patterns = {}
         for key, policy in policies.items():
-            self._patterns[key] = _compile_key(key, self._where(key))
-            _check_policy(policy, f"policy map key {key!r}{self._where(key)}")
+            self._patterns[key] = policy_json.compile_key(key, self._where(key))
+            policy_json.check_policy(policy, f"policy map key {key!r}{self._where(key)}")
         self._default = default_policy
         self._policies = dict(policies)
         self._keras_map = KerasPolicyMap(default_policy=default_policy)
@@ -170,7 +142,7 @@ class PolicyMap:
                     text = handle.read()
             except (OSError, UnicodeDecodeError) as exc:
                 raise PolicyMapError(
-                    f"cannot read policy map {origin}: {_one_line(exc)}"
+                    f"cannot read policy map {origin}: {policy_json.one_line(exc)}"
                 ) from exc
             return cls.from_json_text(text, origin=origin)
         raise PolicyMapError(
@@ -183,33 +155,33 @@ class PolicyMap:
     def from_json_text(cls, text: str, *, origin: str = "<string>") -> PolicyMap:
         """Parse JSON text in either accepted form; ``origin`` names it in errors."""
         try:
-            document = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+            document = json.loads(text, object_pairs_hook=policy_json.reject_duplicate_keys)
         except json.JSONDecodeError as exc:
             raise PolicyMapError(
                 f"policy map {origin} is not valid JSON: {exc.msg} "
                 f"at line {exc.lineno} column {exc.colno}"
             ) from exc
-        except _DuplicateKeyError as exc:
+        except policy_json.DuplicateKeyError as exc:
             raise PolicyMapError(
-                f"policy map {origin}: {_describe_duplicate(text, exc.key)}"
+                f"policy map {origin}: {policy_json.describe_duplicate(text, exc.key)}"
             ) from None
         if not isinstance(document, dict):
             raise PolicyMapError(
                 f"policy map {origin}: expected a JSON object at the top level, "
-                f"got {_json_type(document)}"
+                f"got {policy_json.json_type(document)}"
             )
-        return cls._from_document(document, origin=origin, lines=_key_lines(text))
+        return cls._from_document(document, origin=origin, lines=policy_json.key_lines(text))
 
     @classmethod
     def _from_keras(cls, keras_map: KerasPolicyMap) -> PolicyMap:
         """Copy and validate a live Keras map (its ``get_config`` would mutate it)."""
         origin = "<keras DTypePolicyMap>"
-        default = _parse_policy(keras_map.default_policy, f"policy map {origin}: default_policy")
+        default = policy_json.parse_policy(keras_map.default_policy, f"policy map {origin}: default_policy")
         policies = {}
         for key in keras_map:
             what = f"policy map key {key!r}"
-            _compile_key(key, "")
-            policies[key] = copy.deepcopy(_parse_policy(keras_map[key], what))
+            policy_json.compile_key(key, "")
+            policies[key] = copy.deepcopy(policy_json.parse_policy(keras_map[key], what))
         return cls(copy.deepcopy(default), policies, origin=origin)
 
     @classmethod
@@ -218,10 +190,10 @@ class PolicyMap:
         document: Mapping[str, Any],
         *,
         origin: str,
-        lines: Optional[Mapping[_JsonPath, list]],
+        lines: Optional[Mapping[JsonPath, list]],
     ) -> PolicyMap:
         """Build from a decoded JSON object in the Keras or the plain form."""
-        body, prefix = _document_body(document, origin)
+        body, prefix = policy_json.document_body(document, origin)
 
         def line_of(*json_path: str) -> Optional[int]:
             found = (lines or {}).get(prefix + json_path)
@@ -244,26 +216,26 @@ class PolicyMap:
                 origin, describe_policy(default),
             )
         else:
-            default = _parse_policy(raw_default, field("default_policy"))
+            default = policy_json.parse_policy(raw_default, field("default_policy"))
 
         raw_map = body.get("policy_map")
         if raw_map is None:
             raw_map = {}
         if not isinstance(raw_map, Mapping):
             raise PolicyMapError(
-                f"{field('policy_map')}: expected an object, got {_json_type(raw_map)}"
+                f"{field('policy_map')}: expected an object, got {policy_json.json_type(raw_map)}"
             )
         policies = {}
         key_lines = {}
         for key, raw in raw_map.items():
             line = line_of("policy_map", key) if isinstance(key, str) else None
-            _compile_key(key, where(line))
+            policy_json.compile_key(key, where(line))
             if raw is None:
                 raise PolicyMapError(
                     f"policy map key {key!r}{where(line)}: expected a policy name or "
                     "an object, got null"
                 )
-            policies[key] = _parse_policy(raw, f"policy map key {key!r}{where(line)}")
+            policies[key] = policy_json.parse_policy(raw, f"policy map key {key!r}{where(line)}")
             if line is not None:
                 key_lines[key] = line
         result = cls(default, policies, origin=origin, key_lines=key_lines)
@@ -379,228 +351,3 @@ class PolicyMap:
     def _where(self, key: str) -> str:
         line = self._key_lines.get(key)
         return f" at line {line} of {self._origin}" if line is not None else ""
-
-
-# ---------------------------------------------------------------- validation
-
-
-def _document_body(
-    document: Mapping[str, Any], origin: str
-) -> tuple[Mapping[str, Any], _JsonPath]:
-    """The object holding ``default_policy``/``policy_map``, and its JSON path.
-
-    Keras form: ``{"class_name": "DTypePolicyMap", "config": {...}}`` -> ``config``;
-    plain form: the document itself.
-    """
-    if "class_name" not in document:
-        _check_fields(document, _PLAIN_TOP_KEYS, f"policy map {origin}")
-        return document, ()
-    _check_fields(document, _KERAS_TOP_KEYS, f"policy map {origin}")
-    if document["class_name"] != "DTypePolicyMap":
-        raise PolicyMapError(
-            f"policy map {origin}: expected class_name 'DTypePolicyMap', "
-            f"got {document['class_name']!r}"
-        )
-    body = document.get("config")
-    if not isinstance(body, Mapping):
-        raise PolicyMapError(
-            f"policy map {origin}: 'config' must be an object, got {_json_type(body)}"
-        )
-    _check_fields(body, _KERAS_CONFIG_KEYS, f"policy map {origin}: 'config'")
-    return body, ("config",)
-
-
-def _compile_key(key: object, where: str) -> re.Pattern[str]:
-    """Check that ``key`` is a string and a valid regular expression."""
-    if not isinstance(key, str):
-        raise PolicyMapError(
-            f"policy map key {key!r}{where} must be a string, got {type(key).__name__}"
-        )
-    try:
-        return re.compile(key)
-    except re.error as exc:
-        raise PolicyMapError(
-            f"policy map key {key!r}{where} is not a valid regular expression: "
-            f"{_one_line(exc)}"
-        ) from exc
-
-
-def _parse_policy(raw: object, what: str) -> DTypePolicy:
-    """Turn one map value (or default) into a non-map Keras policy.
-
-    ``what`` opens every message, e.g. ``policy map key 'dense_1' at line 3 of m.json``.
-    """
-    if isinstance(raw, Mapping) and "class_name" not in raw:
-        policy = _parse_name_form(raw, what)
-    elif isinstance(raw, (str, Mapping, DTypePolicy)):
-        if isinstance(raw, Mapping):
-            _check_fields(raw, _KERAS_TOP_KEYS, f"{what}: serialized policy")
-            if raw["class_name"] == "DTypePolicyMap":
-                raise PolicyMapError(f"{what}: a policy must not itself be a DTypePolicyMap")
-            _warn_if_nameless(raw, what)
-        try:
-            policy = keras.dtype_policies.get(dict(raw) if isinstance(raw, Mapping) else raw)
-        except Exception as exc:  # Keras raises ValueError, TypeError, ...
-            raise PolicyMapError(
-                f"{what}: invalid dtype policy {_show(raw)}: {_keras_message(exc)}"
-            ) from exc
-    else:
-        raise PolicyMapError(
-            f"{what}: expected a policy name or an object, got {_json_type(raw)} {_show(raw)}"
-        )
-    _check_policy(policy, what, raw)
-    return policy
-
-
-def _parse_name_form(raw: Mapping[str, Any], what: str) -> DTypePolicy:
-    """``{"name": ..., "amax_history_length": n}`` -> policy."""
-    _check_fields(raw, _NAME_FORM_KEYS, what)
-    name = raw.get("name")
-    if not isinstance(name, str):
-        raise PolicyMapError(f"{what}: 'name' must be a policy name string, got {_show(name)}")
-    policy = _parse_policy(name, what)
-    if "amax_history_length" not in raw:
-        return policy
-    length = raw["amax_history_length"]
-    if not isinstance(policy, keras.dtype_policies.QuantizedFloat8DTypePolicy):
-        raise PolicyMapError(
-            f"{what}: amax_history_length applies only to float8 policies, not {name!r}"
-        )
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise PolicyMapError(
-            f"{what}: amax_history_length must be a positive integer, got {_show(length)}"
-        )
-    mode, source_name = name.split("_from_")  # get() has checked the shape.
-    return keras.dtype_policies.QuantizedFloat8DTypePolicy(
-        mode=mode, source_name=source_name, amax_history_length=length
-    )
-
-
-def _check_policy(policy: object, what: str, raw: object = None) -> None:
-    """A map value or default must be a plain (non-map) ``DTypePolicy``."""
-    if isinstance(policy, KerasPolicyMap):
-        raise PolicyMapError(f"{what}: a policy must not itself be a DTypePolicyMap")
-    if not isinstance(policy, DTypePolicy):
-        # keras.dtype_policies.get returns an unknown class_name as a bare string.
-        shown = _show(raw) if raw is not None else _show(policy)
-        raise PolicyMapError(f"{what}: {shown} is not a dtype policy")
-
-
-def _check_fields(obj: Mapping[str, Any], allowed: tuple[str, ...], what: str) -> None:
-    unknown = [k for k in obj if k not in allowed]
-    if unknown:
-        raise PolicyMapError(
-            f"{what}: unknown field(s) {', '.join(repr(k) for k in unknown)}; "
-            f"expected {', '.join(repr(k) for k in allowed)}"
-        )
-
-
-def _warn_if_nameless(raw: Mapping[str, Any], what: str) -> None:
-    """Keras drops policy names when serializing a map with ``default_policy=None``."""
-    config = raw.get("config")
-    if isinstance(config, Mapping) and any(
-        field in config and config[field] is None for field in ("name", "source_name")
-    ):
-        logger.warning(
-            "%s: serialized policy has no name (Keras drops it when serializing a map "
-            "whose default_policy is None); it resolves to the global policy %r",
-            what, describe_policy(keras.config.dtype_policy()),
-        )
-
-
-# ------------------------------------------------------------------ JSON text
-
-
-class _DuplicateKeyError(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``object_pairs_hook`` for ``json.loads``: a repeated key is an error."""
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKeyError(key)
-        result[key] = value
-    return result
-
-
-def _describe_duplicate(text: str, key: str) -> str:
-    for json_path, lines in _key_lines(text).items():
-        if json_path[-1] == key and len(lines) > 1:
-            return f"duplicate key {key!r} at line {lines[1]} (first at line {lines[0]})"
-    return f"duplicate key {key!r}"
-
-
-def _key_lines(text: str) -> dict[_JsonPath, list[int]]:
-    """Lines (1-based) of every object key in valid JSON ``text``, by JSON path.
-
-    ``{"policy_map": {"a": 1}}`` gives ``{("policy_map",): [1], ("policy_map", "a"): [1]}``.
-    """
-    newlines = [i for i, char in enumerate(text) if char == "\n"]
-    stack: list[list[Any]] = []  # one [is_object, current_key] frame per container
-    found: dict[_JsonPath, list[int]] = {}
-    i, n = 0, len(text)
-    while i < n:
-        char = text[i]
-        if char == '"':
-            value, end = json.decoder.scanstring(text, i + 1)
-            j = end
-            while j < n and text[j] in " \t\r\n":
-                j += 1
-            if j < n and text[j] == ":" and stack and stack[-1][0]:
-                stack[-1][1] = value
-                json_path = tuple(frame[1] for frame in stack)
-                found.setdefault(json_path, []).append(bisect.bisect_left(newlines, i) + 1)
-            i = end
-            continue
-        if char in "{[":
-            stack.append([char == "{", None])
-        elif char in "}]":
-            stack.pop()
-        i += 1
-    return found
-
-
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, Mapping):
-        return "an object"
-    return f"a {type(value).__name__}"
-
-
-def _show(value: object) -> str:
-    """A one-line rendering of a map value for messages."""
-    if isinstance(value, str):
-        return repr(value)
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return _one_line(repr(value))
-
-
-def _keras_message(exc: Exception) -> str:
-    """Keras's reason, without the boilerplate its deserializer wraps around it."""
-    text = str(exc)
-    marker = "Exception encountered:"
-    if marker in text:
-        text = text.split(marker, 1)[1]
-    return _one_line(text)
-
-
-def _one_line(exc_or_text: object) -> str:
-    text = " ".join(str(exc_or_text).split())
-    if len(text) > _MAX_KERAS_MESSAGE:
-        text = text[: _MAX_KERAS_MESSAGE - 3] + "..."
-    return text
