@@ -42,8 +42,6 @@ import dataclasses
 import logging
 from typing import Optional
 
-import numpy as np
-import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from tfpolicy.analysis.layer_index import LayerIndex
@@ -51,52 +49,24 @@ from tfpolicy.analysis.plan import Plan
 from tfpolicy.core import tf_names
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.tf_names import FLOAT_DTYPES, TensorRef
+from tfpolicy.passes.casts import CastBuilder
+from tfpolicy.passes.float_rules import (
+    ATTENTION_SOFTMAX,
+    FLOAT32_ATTRS,
+    FLOAT32_OPS,
+    FOLLOWER_OPS,
+    NEVER_RETYPED,
+    NORMALIZATION_OPS,
+    POSITION_MATH,
+    PROMOTED,
+    VARIABLE_READ_OPS,
+    position_math,
+    scaled_attention_softmax,
+    wider,
+    within,
+)
 
 logger = logging.getLogger(__name__)
-
-# Ops whose dtype attribute is the variable's: retyped only with the variable.
-VARIABLE_READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
-# Ops that pass a value through: they take their (first) input's dtype wherever
-# they are, through the named attribute. A gather follows its table, so that an
-# embedding lookup casts the rows it gathers, never the whole table.
-FOLLOWER_OPS = {
-    "Identity": "T", "IdentityN": "T", "StopGradient": "T", "Snapshot": "T",
-    "PreventGradient": "T", "EnsureShape": "T", "GatherV2": "Tparams",
-}
-NEVER_RETYPED = frozenset(
-    {
-        "Placeholder", "_Arg", "_Retval", "VarHandleOp", "While", "StatelessWhile", "If",
-        "StatelessIf", "Case", "StatelessCase", "PartitionedCall", "StatefulPartitionedCall",
-        "NoOp",
-    }
-)
-# Ops computed in float32 inside any low-precision layer: exponentials and
-# logarithms, which grappler's auto_mixed_precision keeps off its allow list,
-# and Mean, which Keras's ``ops.mean`` computes in float32 for a low-precision
-# input (global average pooling, squeeze-and-excite blocks).
-# Softmax is not one: Keras's Softmax layer (MultiHeadAttention's, and so
-# BERT's and GPT-2's) computes in the layer's dtype; the models that pin it to
-# float32 (keras_hub's Llama and Gemma) cannot be told apart in a float32 export.
-FLOAT32_OPS = frozenset(
-    {
-        "Mean", "LogSoftmax", "Exp", "Expm1", "Log", "Log1p", "Pow", "L2Loss",
-        "SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits",
-    }
-)
-# The product of queries and keys: the op a scaled-attention softmax follows.
-PRODUCT_OPS = frozenset({"Einsum", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
-# What may sit between the scale and the softmax in Keras's dot_product_attention:
-# a bias added, a mask applied with ``where``.
-LOGIT_OPS = frozenset({"AddV2", "Add", "SelectV2", "Select"})
-# Ops that make a layer a normalisation layer (its statistics in float32).
-NORMALIZATION_OPS = frozenset({"Rsqrt", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
-# Float data enters a graph through these; other float tensors that descend
-# only from integers and constants are position math.
-FLOAT_SOURCES = frozenset({"Placeholder", "_Arg"}) | VARIABLE_READ_OPS
-FLOAT16_MAX = float(np.finfo(np.float16).max)
-# Attributes that stay float32 even when their op is retyped (Keras keeps
-# normalisation statistics in float32).
-FLOAT32_ATTRS = {"FusedBatchNorm": {"U"}, "FusedBatchNormV2": {"U"}, "FusedBatchNormV3": {"U"}}
 
 
 @dataclasses.dataclass
@@ -118,7 +88,7 @@ class GraphStats:
         return bool(sum(self.retyped.values()) or self.casts_inserted or self.casts_folded)
 
 
-class FloatPrecisionPass:
+class FloatPrecisionPass(CastBuilder):
     """Retype one graph; ``variable_dtypes`` maps variable uid -> new dtype."""
 
     def __init__(
@@ -277,7 +247,7 @@ class FloatPrecisionPass:
             have = self.graph.tensor_dtype(ref)
             if have in FLOAT_DTYPES and self.graph.producer(ref).op != "Const":
                 have = self._returned_dtype(ref)
-                found = have if found is None else _wider(found, have)
+                found = have if found is None else wider(found, have)
         return types_pb2.DT_FLOAT if found is None else found
 
     def _promote(self, node: Node, layer: Optional[str], target: int) -> int:
@@ -310,7 +280,7 @@ class FloatPrecisionPass:
                 dtype = self.graph.tensor_dtype(ref)
             else:
                 dtype = target
-            wanted = dtype if wanted is None else _wider(wanted, dtype)
+            wanted = dtype if wanted is None else wider(wanted, dtype)
         return target if wanted is None else wanted
 
     def _float_type_attrs(self, node: Node) -> list[str]:
@@ -379,7 +349,7 @@ class FloatPrecisionPass:
         parts = inside.split("/")
         for end in range(1, len(parts)):
             ancestor = "/".join(parts[:end])
-            if _within(source, ancestor):
+            if within(source, ancestor):
                 continue  # the value is already inside this layer
             if ancestor in self.plan.layers and not self.plan.for_layer(ancestor).is_normalization:
                 found.append(self.plan.for_layer(ancestor).compute_enum)
@@ -395,7 +365,7 @@ class FloatPrecisionPass:
         does not leave such a layer.
         """
         layer = self._layer(self.graph.producer(ref))
-        if not self._is_normalization(layer) or (consumer is not None and _within(self._layer(consumer), layer)):
+        if not self._is_normalization(layer) or (consumer is not None and within(self._layer(consumer), layer)):
             return []
         compute = self.plan.for_layer(layer).compute_enum
         if compute not in FLOAT_DTYPES or compute == self.graph.tensor_dtype(ref):
@@ -414,197 +384,6 @@ class FloatPrecisionPass:
         """BatchNormalization (moving mean and variance) autocasts its input; LayerNormalization does not."""
         info = self.index.layers.get(layer)
         return info is not None and any(v.name.rsplit("/", 1)[-1].startswith("moving_") for v in info.variables)
-
-    def _cast(self, ref: TensorRef, want: int) -> TensorRef:
-        """``ref`` as ``want``: a cached, reused or new Cast, never Cast(Cast(x))."""
-        key = (str(ref), want)
-        if key in self._casts:
-            return self._casts[key]
-        producer = self.graph.producer(ref)
-        if producer.op == "Const" and want in FLOAT_DTYPES:
-            self._casts[key] = self._converted_constant(producer, want)
-            return self._casts[key]
-        if producer.op == "Cast" and _exact_cast(producer):
-            (_, source), = producer.data_inputs()
-            self.stats.casts_folded += 1
-            result = source if self.graph.tensor_dtype(source) == want else self._cast(source, want)
-            self._casts[key] = result
-            return result
-        for consumer, _ in self.graph.uses(ref):
-            existing = self.graph.nodes[consumer]
-            if existing.op == "Cast" and existing.attrs["DstT"].type == want and existing.attrs["SrcT"].type == self.graph.tensor_dtype(ref):
-                self.stats.casts_reused += 1
-                self._casts[key] = TensorRef(existing.name)
-                return self._casts[key]
-        have = self.graph.tensor_dtype(ref)
-        base = f"{ref.node}/tfpolicy/cast_{ref.index}_to_{tf_names.dtype_name(want)}" if ref.index else f"{ref.node}/tfpolicy/cast_to_{tf_names.dtype_name(want)}"
-        cast = self.graph.add_node(
-            "Cast",
-            base,
-            [str(ref)],
-            {
-                "SrcT": attr_value_pb2.AttrValue(type=have),
-                "DstT": attr_value_pb2.AttrValue(type=want),
-                "Truncate": attr_value_pb2.AttrValue(b=False),
-            },
-            device=producer.device,
-        )
-        self.stats.casts_inserted += 1
-        self._casts[key] = TensorRef(cast.name)
-        return self._casts[key]
-
-
-    def _fold_constant_copies(self) -> None:
-        """A Const whose only users now read one converted copy is converted in place.
-
-            before:  w:f32 (no users left), w/tfpolicy/as_bfloat16:bf16 -> MatMul
-            after:   w:bf16 -> MatMul
-        """
-        graph = self.graph
-        outputs = {ref.node for ref in graph.outputs.values()}
-        for name, made in self._constant_copies.items():
-            original = TensorRef(name)
-            if len(made) != 1 or name in outputs or graph.uses(original) or made[0] in outputs:
-                continue
-            copy = graph.nodes[made[0]]
-            graph.redefine(graph.nodes[name], "Const", graph.nodes[name].inputs, copy.attrs)
-            graph.replace_all_uses_with(TensorRef(copy.name), original)
-            del graph.nodes[copy.name]
-
-    def _converted_constant(self, const: Node, want: int) -> TensorRef:
-        """A copy of the float Const ``const`` in dtype ``want`` (float16: clamped to its range)."""
-        array = tf.make_ndarray(const.attrs["value"].tensor)
-        if want == types_pb2.DT_HALF and array.size and np.abs(array).max() > FLOAT16_MAX:
-            array = np.clip(array, -FLOAT16_MAX, FLOAT16_MAX)
-            self.stats.constants_clamped += 1
-        numpy_dtype = tf.dtypes.as_dtype(want).as_numpy_dtype
-        tensor = tf.make_tensor_proto(np.asarray(array, dtype=numpy_dtype), shape=array.shape)
-        copy = self.graph.add_node(
-            "Const",
-            f"{const.name}/tfpolicy/as_{tf_names.dtype_name(want)}",
-            [f"^{c}" for c in const.control_inputs()],
-            {"dtype": attr_value_pb2.AttrValue(type=want), "value": attr_value_pb2.AttrValue(tensor=tensor)},
-            device=const.device,
-        )
-        self.stats.retyped[self._layer(const)] += 1
-        self._constant_copies.setdefault(const.name, []).append(copy.name)
-        return TensorRef(copy.name)
-
-
-PROMOTED = "promoted to float32 by a float32 or mixed-dtype sublayer output, as Keras promotes"
-
-
-def _within(path: Optional[str], layer: str) -> bool:
-    """Whether layer ``path`` is ``layer`` or one of its sublayers."""
-    return path is not None and (path == layer or path.startswith(layer + "/"))
-
-
-def _exact_cast(cast: Node) -> bool:
-    """Whether a Cast keeps every value (from an integer, or to a wider float).
-
-    Only then may a Cast of its output read its input instead: bfloat16 to
-    float16 after float32 to bfloat16 rounds twice, and Keras does round twice.
-    """
-    source, target = cast.attrs["SrcT"].type, cast.attrs["DstT"].type
-    return source not in FLOAT_DTYPES or source == target or _wider(source, target) == target
-
-
-def _wider(a: int, b: int) -> int:
-    """Keras's ``result_type`` of two float dtypes (bfloat16 with float16 is float32)."""
-    if a == b:
-        return a
-    if types_pb2.DT_DOUBLE in (a, b):
-        return types_pb2.DT_DOUBLE
-    return types_pb2.DT_FLOAT
-
-
-POSITION_MATH = "computed from integers and constants only (positions, masks), kept in float32"
-
-
-def position_math(graph: Graph) -> frozenset[str]:
-    """Ops with float outputs whose float inputs all descend from integers and constants.
-
-    Float data enters through :data:`FLOAT_SOURCES` (inputs, arguments,
-    variable reads) and flows along float edges; an op none of whose float
-    inputs carries data, and that is not a Const itself, computes positions,
-    rotary frequencies or masks, which Keras and keras_hub compute in float32.
-    """
-    carries_data: set[str] = set()
-    found = set()
-    for node in graph.topological_order():
-        outputs = graph.output_dtypes(node)
-        if not any(t in FLOAT_DTYPES for t in outputs):
-            continue
-        inputs = graph.input_dtypes(node)
-        fed = any(
-            ref.node in carries_data for position, ref in node.data_inputs()
-            if position < len(inputs) and inputs[position] in FLOAT_DTYPES
-        )
-        if fed or node.op in FLOAT_SOURCES or node.op in NEVER_RETYPED or tf_names.op_def(node.op) is None:
-            carries_data.add(node.name)
-        elif node.op != "Const":
-            found.add(node.name)
-    return frozenset(found)
-
-
-ATTENTION_SOFTMAX = (
-    "softmax of scaled query-key logits kept in float32, as Keras's dot_product_attention computes it"
-)
-
-
-def scaled_attention_softmax(graph: Graph) -> dict[str, str]:
-    """The ops of each softmax computed as Keras's ``dot_product_attention`` computes it.
-
-    Keras's ``MultiHeadAttention`` (without dropout, so by default) and
-    ``ops.dot_product_attention`` cast the query-key product to float32, scale
-    it there, add the bias, apply the mask and take the softmax, all in
-    float32, and cast the probabilities back to the key's dtype::
-
-        Einsum(q, k) -> Mul(scale) -> [Add(bias)] -> [Select(mask)] -> Softmax
-
-    The scale after the product tells this form apart from the explicit one
-    (``MultiHeadAttention`` with dropout scales the query before the product,
-    and takes its softmax in the layer's dtype). Answers each Mul, Add, Select
-    and Softmax of such a chain -> the name of the product it scales.
-    """
-    found: dict[str, str] = {}
-    for node in graph.nodes.values():
-        if node.op == "Softmax":
-            chain = _scaled_logits(graph, node, depth=0)
-            if chain:
-                *ops, product = chain
-                found.update(dict.fromkeys(ops, product))
-    return found
-
-
-def _scaled_logits(graph: Graph, node: Node, depth: int) -> list[str]:
-    """``node``, the ops back to a product scaled by a constant, then the product; or []."""
-    if depth > len(LOGIT_OPS) + 1:
-        return []
-    producers = [
-        graph.producer(ref) for _, ref in node.data_inputs() if graph.tensor_dtype(ref) in FLOAT_DTYPES
-    ]
-    if node.op == "Mul" and depth > 0:
-        constants = [p for p in producers if p.op == "Const"]
-        # The product itself, or its cast to float32 (a mixed-precision export).
-        products = [p for p in (_uncast(graph, q) for q in producers) if p.op in PRODUCT_OPS]
-        return [node.name, products[0].name] if len(constants) == 1 and len(products) == 1 else []
-    if node.op == "Softmax" or node.op in LOGIT_OPS:
-        for producer in producers:
-            if producer.op in LOGIT_OPS or producer.op == "Mul":
-                chain = _scaled_logits(graph, producer, depth + 1)
-                if chain:
-                    return [node.name, *chain]
-    return []
-
-
-def _uncast(graph: Graph, node: Node) -> Node:
-    """The producer of a Cast's input; any other node itself."""
-    if node.op == "Cast":
-        (_, source), = node.data_inputs()
-        return graph.producer(source)
-    return node
-
 
 def choose_variable_dtypes(plan: Plan, index: LayerIndex, skip: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:
     """Variables whose layer's policy stores them in another float dtype.
