@@ -531,3 +531,36 @@ ALL_BUILDERS: dict[str, Callable[[pathlib.Path], ZooModel]] = {
     "tfkeras_embedding": export_tfkeras_embedding,
 }
 """Every zoo model by name -> its ``export_<name>(directory)`` builder."""
+
+
+# -- small Keras 3 models for the quantization oracles (test_int8_integer, test_int4) --
+
+
+def quant_dense_mlp(sequence: "int | None") -> "keras.Model":
+    inputs = keras.Input((sequence, 20) if sequence else (20,))
+    x = keras.layers.Dense(33, activation="relu", name="hidden")(inputs)  # odd width: int4 pads a nibble
+    return keras.Model(inputs, keras.layers.Dense(7, name="out")(x))
+
+
+def quant_einsum_stack(sequence: "int | None") -> "keras.Model":
+    inputs = keras.Input((sequence, 16))
+    x = keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, 4, 8), bias_axes="de", name="heads")(inputs)
+    x = keras.layers.EinsumDense("abde,dec->abc", output_shape=(None, 16), name="merge")(x)
+    return keras.Model(inputs, keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 8), name="ffn")(x))
+
+
+def quant_transformer_block() -> "keras.Model":
+    tokens = keras.Input((5, 16))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, name="mha")(tokens, tokens)
+    x = keras.layers.LayerNormalization(name="ln")(keras.layers.Add()([tokens, attention]))
+    h = keras.layers.Dense(16, name="ffn_out")(keras.layers.Dense(32, activation="gelu", name="ffn_in")(x))
+    return keras.Model(tokens, keras.layers.Dense(4, name="head")(keras.layers.Add()([x, h])))
+
+
+QUANT_BUILDERS: dict[str, Callable[[], "keras.Model"]] = {
+    "dense_mlp": lambda: quant_dense_mlp(None),
+    "dense_sequence": lambda: quant_dense_mlp(6),
+    "einsum_static": lambda: quant_einsum_stack(6),  # Keras's einsum emits reshapes around a BatchMatMul
+    "einsum_dynamic": lambda: quant_einsum_stack(None),  # an Einsum op, the sequence length unknown
+    "transformer_block": quant_transformer_block,  # attention's projections, layer norm, feed-forward
+}

@@ -19,19 +19,7 @@ import tensorflow as tf
 import keras
 import tfpolicy
 from keras.quantizers import Int4QuantizationConfig
-
-
-def _dense_mlp(sequence: int | None):
-    inputs = keras.Input((sequence, 20) if sequence else (20,))
-    x = keras.layers.Dense(33, activation="relu", name="hidden")(inputs)  # odd width: a padded nibble
-    return keras.Model(inputs, keras.layers.Dense(7, name="out")(x))
-
-
-def _einsum_stack(sequence: int | None):
-    inputs = keras.Input((sequence, 16))
-    x = keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, 4, 8), bias_axes="de", name="heads")(inputs)
-    x = keras.layers.EinsumDense("abde,dec->abc", output_shape=(None, 16), name="merge")(x)
-    return keras.Model(inputs, keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 8), name="ffn")(x))
+from model_zoo import QUANT_BUILDERS
 
 
 def _embedding():
@@ -40,23 +28,8 @@ def _embedding():
     return keras.Model(tokens, keras.layers.Dense(4, name="out")(x))
 
 
-def _transformer_block():
-    tokens = keras.Input((5, 16))
-    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, name="mha")(tokens, tokens)
-    x = keras.layers.LayerNormalization(name="ln")(keras.layers.Add()([tokens, attention]))
-    h = keras.layers.Dense(16, name="ffn_out")(keras.layers.Dense(32, activation="gelu", name="ffn_in")(x))
-    return keras.Model(tokens, keras.layers.Dense(4, name="head")(keras.layers.Add()([x, h])))
-
-
 QUANTIZABLE = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
-BUILDERS = {
-    "dense_mlp": lambda: _dense_mlp(None),
-    "dense_sequence": lambda: _dense_mlp(6),
-    "einsum_static": lambda: _einsum_stack(6),
-    "einsum_dynamic": lambda: _einsum_stack(None),
-    "embedding": _embedding,
-    "transformer_block": _transformer_block,
-}
+BUILDERS = {**QUANT_BUILDERS, "embedding": _embedding}
 BLOCKS = {"per_channel": -1, "block8": 8}
 
 
@@ -192,7 +165,7 @@ def test_int4_output_compiles_with_xla_and_runs_in_a_tf1_session(cases, name):
 def test_int4_without_a_block_is_per_channel_as_keras_loads_it(tmp_path):
     """``int4_from_<source>`` (no block) is Keras's legacy per-channel int4: the same output as ``int4/-1_``."""
     keras.utils.set_random_seed(3)
-    model = _dense_mlp(None)
+    model = QUANT_BUILDERS["dense_mlp"]()
     model.export(str(tmp_path / "in"), verbose=False)
     x = np.random.default_rng(1).normal(size=(4, 20)).astype(np.float32)
     outputs = []

@@ -16,39 +16,12 @@ import tensorflow as tf
 
 import keras
 import tfpolicy
-from model_zoo import apply_policy_map_natively
+from model_zoo import QUANT_BUILDERS, apply_policy_map_natively
 
 MATMUL_OPS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
 
 
-def _dense_mlp(sequence: int | None):
-    inputs = keras.Input((sequence, 16) if sequence else (16,))
-    x = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(8, name="out")(x))
-
-
-def _einsum_stack(sequence: int | None):
-    inputs = keras.Input((sequence, 16))
-    x = keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, 4, 8), bias_axes="de", name="heads")(inputs)
-    x = keras.layers.EinsumDense("abde,dec->abc", output_shape=(None, 16), name="merge")(x)
-    return keras.Model(inputs, keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 8), name="ffn")(x))
-
-
-def _transformer_block():
-    tokens = keras.Input((5, 16))
-    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, name="mha")(tokens, tokens)
-    x = keras.layers.LayerNormalization(name="ln")(keras.layers.Add()([tokens, attention]))
-    h = keras.layers.Dense(16, name="ffn_out")(keras.layers.Dense(32, activation="gelu", name="ffn_in")(x))
-    return keras.Model(tokens, keras.layers.Dense(4, name="head")(keras.layers.Add()([x, h])))
-
-
-BUILDERS = {
-    "dense_mlp": lambda: _dense_mlp(None),
-    "dense_sequence": lambda: _dense_mlp(6),
-    "einsum_static": lambda: _einsum_stack(6),  # Keras's einsum emits reshapes around a BatchMatMul
-    "einsum_dynamic": lambda: _einsum_stack(None),  # an Einsum op, the sequence length unknown
-    "transformer_block": _transformer_block,  # attention's projections, layer norm, feed-forward
-}
+BUILDERS = QUANT_BUILDERS
 
 
 class Case:

@@ -1,4 +1,4 @@
-"""What tfpolicy relies on in TensorFlow's private APIs (tfpolicy/tf_internals.py).
+"""What tfpolicy relies on in TensorFlow's private APIs (tfpolicy/core/tf_internals.py).
 
 Each test pins one behaviour; a TensorFlow upgrade that changes it fails here,
 by name, before it fails a rewrite in some less obvious way.
@@ -106,3 +106,29 @@ def test_deprecation_warnings_are_silenced_and_come_back_after_a_failure():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfpolicy"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    import ast  # noqa: PLC0415
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_only_tf_internals_imports_private_tensorflow_and_no_pass_imports_protobufs():
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) > 20
+    private = {p.relative_to(PACKAGE).as_posix() for p in modules if any(m.startswith("tensorflow.python") for m in _imports(p))}
+    assert private == {"core/tf_internals.py"}
+    protobuf_in_passes = {p.name: sorted(m for m in _imports(p) if m.endswith("_pb2"))
+                          for p in (PACKAGE / "passes").glob("*.py")}
+    assert not any(protobuf_in_passes.values()), protobuf_in_passes

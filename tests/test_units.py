@@ -113,7 +113,7 @@ def _index_for(graph: Graph) -> LayerIndex:
 
 def test_pass_retypes_layer_and_casts_at_boundaries():
     graph = _tiny_graph()
-    stats = FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "bfloat16"}), {}).run()
+    stats = FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "bfloat16"}), {}).run().stats
     assert graph.nodes["dense/MatMul"].attrs["T"].type == BF16
     assert graph.nodes["dense/Relu"].attrs["T"].type == BF16
     assert graph.nodes["dense/w"].attrs["dtype"].type == BF16  # constants converted
@@ -126,12 +126,12 @@ def test_pass_retypes_layer_and_casts_at_boundaries():
 
 def test_pass_is_a_no_op_under_float32_and_idempotent():
     graph = _tiny_graph()
-    stats = FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "float32"}), {}).run()
+    stats = FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "float32"}), {}).run().stats
     assert not stats.modified and len(graph.nodes) == 5
     graph = _tiny_graph()
     FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "bfloat16"}), {}).run()
     count = len(graph.nodes)
-    again = FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "bfloat16"}), {}).run()
+    again = FloatPrecisionPass("sig", graph, _index_for(graph), _plan({"dense": "bfloat16"}), {}).run().stats
     assert again.casts_inserted == 0 and len(graph.nodes) == count
 
 
@@ -148,7 +148,7 @@ def test_normalization_layers_are_declined():
     graph = _tiny_graph()
     plan = _plan({"dense": "bfloat16"})
     plan.layers["dense"] = LayerPlan("dense", None, "mixed_bfloat16", "bfloat16", "float32", None, None, True, 0, 0)
-    stats = FloatPrecisionPass("sig", graph, _index_for(graph), plan, {}).run()
+    stats = FloatPrecisionPass("sig", graph, _index_for(graph), plan, {}).run().stats
     assert graph.nodes["dense/MatMul"].attrs["T"].type == F32
     assert stats.declined["dense"]["normalization layer kept in float32"] >= 2
 

@@ -21,7 +21,8 @@ from tfpolicy.analysis.plan import plan as make_plan
 from tfpolicy.analysis.policy_map import PolicyMap, PolicyMapSource
 from tfpolicy.core import assemble, savedmodel_io, tf_names
 from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
-from tfpolicy.passes import PassResult, calibration, run_passes
+from tfpolicy.passes import run_passes
+from tfpolicy.passes.calibration import CalibrationPass
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
 from tfpolicy.passes.quantize import NewVariable, QuantizePass, build_variables
 from tfpolicy.report import Report, SignatureReport, quantization_rows
@@ -216,28 +217,35 @@ class _PassesDone:
 
 
 def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variables) -> _PassesDone:
-    """The float pass on every graph, then the quantize pass, signature by signature."""
+    """Per signature: the float pass on every graph, the quantize pass, and calibration where float8 is.
+
+    The report is built from the passes' results (``PassResult.stats``).
+    """
     done = _PassesDone()
     calibration_target = _calibration_signature(qplan)
     for program in model.signatures.values():
         logger.info("rewriting signature %s (%d ops, %d functions)", program.key, len(program.graph.nodes), len(program.functions))
-        float_passes = [FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes) for g in program.all_graphs()]
+        graphs = program.all_graphs()
+        steps = [(f"float_precision[{program.key}:{g.name}]", g,
+                  FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes).run) for g in graphs]
         quantize = QuantizePass(program.key, program.graph, index, qplan, new_variables)
-        in_functions = [
-            QuantizePass(program.key, graph, index, qplan, new_variables, constant_scales=True)
-            for graph in program.functions.values()
-        ]
-        steps = [(f"float_precision[{program.key}:{p.graph.name}]", p.graph, _adapt(p.run)) for p in float_passes]
-        steps.append((f"quantize[{program.key}]", quantize.graph, _adapt(quantize.run)))
-        steps.extend((f"quantize[{program.key}:{q.graph.name}]", q.graph, _adapt(q.run)) for q in in_functions)
-        run_passes(steps)
+        steps.append((f"quantize[{program.key}]", program.graph, quantize.run))
+        steps.extend((f"quantize[{program.key}:{g.name}]", g,
+                      QuantizePass(program.key, g, index, qplan, new_variables, constant_scales=True).run)
+                     for g in program.functions.values())
         if program.key == calibration_target:
-            outputs = calibration.add_calibration_outputs(quantize)
-            done.calibration = (program.key, outputs) if outputs else None
-        done.new_captures[program.key] = dict(quantize.result.new_captures)
-        for layer, n in (item for q in (quantize, *in_functions) for item in q.result.quantized.items()):
+            calibrate = CalibrationPass(quantize, lambda: quantize.result.taps)
+            steps.append((f"calibration[{program.key}]", program.graph, calibrate.run))
+        results = run_passes(steps)
+        float_results = list(zip(graphs, (r.stats for r in results[: len(graphs)])))
+        quantize_results = [r.stats for r in results[len(graphs) : len(graphs) + 1 + len(program.functions)]]
+        if program.key == calibration_target and results[-1].stats:
+            done.calibration = (program.key, results[-1].stats)
+        done.new_captures[program.key] = dict(quantize_results[0].new_captures)
+        for layer, n in (item for q in quantize_results for item in q.quantized.items()):
             done.quantized[layer] = done.quantized.get(layer, 0) + n
-        done.signature_reports.append(_signature_report(program, float_passes, quantize, done.retyped, done.declined))
+        done.signature_reports.append(
+            _signature_report(program, float_results, quantize_results[0], done.retyped, done.declined))
     return done
 
 
@@ -253,21 +261,17 @@ def _converted_rows(variable_dtypes: dict[int, int], index) -> list[dict]:
     ]
 
 
-def _adapt(run: Callable) -> Callable[[], PassResult]:
-    return lambda: PassResult(run().modified)
-
-
-def _signature_report(program, float_passes, quantize, retyped, declined) -> SignatureReport:
+def _signature_report(program, float_results, quantize_result, retyped, declined) -> SignatureReport:
+    """One signature's row, from its passes' results: ``float_results`` as (graph, GraphStats)."""
     sig_report = SignatureReport(program.key)
     changed = 0
-    for float_pass in float_passes:
-        stats = float_pass.stats
+    for graph, stats in float_results:
         sig_report.casts_inserted += stats.casts_inserted
         sig_report.casts_reused += stats.casts_reused
         sig_report.casts_folded += stats.casts_folded
         sig_report.constants_clamped += stats.constants_clamped
         sig_report.ops_retyped += sum(stats.retyped.values())
-        changed += int(stats.modified and float_pass.graph.is_function)
+        changed += int(stats.modified and graph.is_function)
         for layer, n in stats.retyped.items():
             retyped[layer] = retyped.get(layer, 0) + n
         for layer, reasons in stats.declined.items():
@@ -275,7 +279,7 @@ def _signature_report(program, float_passes, quantize, retyped, declined) -> Sig
             for reason, n in reasons.items():
                 bucket[reason] = bucket.get(reason, 0) + n
     sig_report.functions_rewritten = changed
-    sig_report.ops_quantized = sum(quantize.result.quantized.values())
+    sig_report.ops_quantized = sum(quantize_result.quantized.values())
     return sig_report
 
 

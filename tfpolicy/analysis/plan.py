@@ -10,17 +10,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from tensorflow.core.framework import types_pb2
-
 from tfpolicy.analysis.layer_index import LayerIndex
 from tfpolicy.analysis.policy_map import PolicyMap, describe_policy
 from tfpolicy.core import tf_names
+from tfpolicy.core.tf_names import DT_BFLOAT16, DT_DOUBLE, DT_FLOAT, DT_HALF, DT_INVALID
 
 _DTYPE_ENUMS = {
-    "float32": types_pb2.DT_FLOAT,
-    "float64": types_pb2.DT_DOUBLE,
-    "bfloat16": types_pb2.DT_BFLOAT16,
-    "float16": types_pb2.DT_HALF,
+    "float32": DT_FLOAT,
+    "float64": DT_DOUBLE,
+    "bfloat16": DT_BFLOAT16,
+    "float16": DT_HALF,
 }
 
 
@@ -58,7 +57,7 @@ def dtype_enum(name: str) -> int:
     try:
         return _DTYPE_ENUMS[name]
     except KeyError:
-        return tf_names.DTYPE_BY_NAME.get(name, types_pb2.DT_INVALID)
+        return tf_names.DTYPE_BY_NAME.get(name, DT_INVALID)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,9 +10,9 @@ import dataclasses
 from typing import Optional
 
 import numpy as np
-from tensorflow.core.framework import types_pb2
 
 from tfpolicy.analysis.quant_rules import Contraction
+from tfpolicy.core.tf_names import DT_FLOAT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Site:
     read_node: str  # the ReadVariableOp (or the ResourceGather itself)
     kernel_reduced_axes: tuple[int, ...]  # in the variable's frame, non-negative
     integer: Optional[IntegerMatmul] = None  # int8 contractions that run on integers
-    compute_dtype: int = types_pb2.DT_FLOAT  # the layer's
+    compute_dtype: int = DT_FLOAT  # the layer's
     simulated: str = ""  # why an int8 contraction is not integer: its kernel is dequantized before it
     # int4 per channel on a Dense matmul: Keras multiplies by the integer kernel and divides after.
     int4_rescaled: bool = False

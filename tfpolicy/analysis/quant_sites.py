@@ -31,7 +31,6 @@ import logging
 from typing import Iterator
 
 import numpy as np
-from tensorflow.core.framework import types_pb2
 
 from tfpolicy.analysis.kernel_trace import apply_layout, kernel_layout, trace_gather_table, trace_kernel
 from tfpolicy.analysis.layer_index import LayerIndex, VariableInfo
@@ -58,7 +57,7 @@ from tfpolicy.analysis.quant_rules import (
 from tfpolicy.core import tf_names
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.savedmodel_io import LoadedModel
-from tfpolicy.core.tf_names import FLOAT_DTYPES
+from tfpolicy.core.tf_names import DT_FLOAT, FLOAT_DTYPES
 
 __all__ = [  # the records, for the passes and the report
     "Declined", "Float8Group", "Int4Kernel", "Int8Kernel", "IntegerMatmul", "QuantPlan", "SUPPORTED_MODES", "Site",
@@ -160,7 +159,7 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
         info, read_node, axes = traced
         if info.layer_path != layer:
             return decline(f"its kernel '{info.name}' belongs to layer '{info.layer_path}'")
-        if info.dtype != types_pb2.DT_FLOAT:
+        if info.dtype != DT_FLOAT:
             return decline(f"kernel '{info.name}' is {tf_names.dtype_name(info.dtype)}, not float32")
         if axes is None:
             return decline(f"the kernel reaches {node.op} through a reshape that mixes contracted and output axes")

@@ -18,9 +18,23 @@ import dataclasses
 import functools
 from typing import Mapping, Optional, Sequence
 
-from tensorflow.core.framework import attr_value_pb2, function_pb2, op_def_pb2, types_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, op_def_pb2, tensor_shape_pb2, types_pb2
 
 from tfpolicy.core import tf_internals
+
+# The DataType enums the passes name; passes use these and the attribute
+# builders below, never the protobuf modules.
+DT_FLOAT = types_pb2.DT_FLOAT
+DT_HALF = types_pb2.DT_HALF
+DT_BFLOAT16 = types_pb2.DT_BFLOAT16
+DT_DOUBLE = types_pb2.DT_DOUBLE
+DT_INT8 = types_pb2.DT_INT8
+DT_INT32 = types_pb2.DT_INT32
+DT_FLOAT8_E4M3FN = types_pb2.DT_FLOAT8_E4M3FN
+DT_RESOURCE = types_pb2.DT_RESOURCE
+DT_VARIANT = types_pb2.DT_VARIANT
+DT_INVALID = types_pb2.DT_INVALID
+AttrValue = attr_value_pb2.AttrValue  # for type hints
 
 FLOAT_DTYPES = frozenset(
     {types_pb2.DT_FLOAT, types_pb2.DT_BFLOAT16, types_pb2.DT_HALF, types_pb2.DT_DOUBLE}
@@ -58,6 +72,32 @@ def bool_attr(value: bool) -> attr_value_pb2.AttrValue:
 
 def int_attr(value: int) -> attr_value_pb2.AttrValue:
     return attr_value_pb2.AttrValue(i=value)
+
+
+def type_list_attr(dtypes: Sequence[int]) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=list(dtypes)))
+
+
+def shape_attr(dims: Optional[Sequence[int]]) -> attr_value_pb2.AttrValue:
+    """A shape attribute: ``dims`` (``-1`` unknown), or unknown rank for None."""
+    return attr_value_pb2.AttrValue(shape=_shape_proto(dims))
+
+
+def shape_list_attr(shapes: Sequence[Optional[Sequence[int]]]) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(shape=[_shape_proto(s) for s in shapes]))
+
+
+def tensor_attr(array) -> attr_value_pb2.AttrValue:
+    """A Const's ``value`` attribute holding numpy ``array``."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    return attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(array, shape=array.shape))
+
+
+def _shape_proto(dims: Optional[Sequence[int]]) -> tensor_shape_pb2.TensorShapeProto:
+    if dims is None:
+        return tensor_shape_pb2.TensorShapeProto(unknown_rank=True)
+    return tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=int(d)) for d in dims])
 
 
 @dataclasses.dataclass(frozen=True, order=True)

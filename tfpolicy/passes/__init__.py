@@ -1,16 +1,22 @@
 """Rewrite passes and the manager that runs them in order.
 
-Every pass is one module with one entry point ``run() -> PassResult``; the
-manager runs them in order, checks each graph a pass modified with
-:meth:`~tfpolicy.core.graph.Graph.verify`, and wraps a failure or a broken graph
-with the pass's name (:class:`~tfpolicy.errors.PassError`).
+Every pass is an object built over one graph and its context (signature,
+layer index, plan, ...) with one entry point ``run() -> PassResult``:
+whether it modified the graph, its statistics (which the report is built
+from) and notes. The manager runs them in order, checks each graph a pass
+modified with :meth:`~tfpolicy.core.graph.Graph.verify`, and wraps a failure
+or a broken graph with the pass's name (:class:`~tfpolicy.errors.PassError`).
+
+    float_precision   retype each layer's ops to its compute dtype, with Casts
+    quantize          int8 / int4 / float8 at the quantization sites
+    calibration       float8's delayed-scaling update, for tfpolicy.calibrate
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tfpolicy.errors import PassError, TfPolicyError
 
@@ -22,7 +28,10 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class PassResult:
+    """What one pass did to one graph: ``stats`` is the pass's own record (counts, outputs)."""
+
     modified: bool
+    stats: Any = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
 

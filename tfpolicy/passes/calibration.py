@@ -13,28 +13,47 @@ batch's input amax (``compute_float8_amax_history`` then
 
 Each assignment waits for the forward pass's read of the same variable.
 ``tfpolicy.rewrite`` feeds it the calibration batches (see :mod:`tfpolicy.validation.inputs`).
+The pass runs after the quantize pass, on the same graph and
+:class:`~tfpolicy.passes.builder.GraphBuilder` (one read per variable), from
+the calibration taps the quantize pass reported.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable, Sequence
 
 from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import type_attr as _type
-from tfpolicy.passes.quantize import CAPTURE_SCOPE, F32, FLOAT8_E4M3_MAX, INT32, QuantizePass
+from tfpolicy.passes import PassResult
+from tfpolicy.passes.builder import CAPTURE_SCOPE, GraphBuilder
+from tfpolicy.passes.quant_variables import F32, FLOAT8_E4M3_MAX, INT32
 
 logger = logging.getLogger(__name__)
 
 
-def add_calibration_outputs(qpass: QuantizePass) -> dict[str, TensorRef]:
-    """Add the update ops for every float8 group tapped in ``qpass``'s graph.
+class CalibrationPass:
+    """Add ``tfpolicy.calibrate``'s update ops for the float8 inputs ``taps()`` names.
 
-    Returns the calibrate function's outputs (new input scale per group); the
-    serving function never fetches them, so pruning leaves it unchanged.
+    ``stats`` of the result: the calibrate function's outputs (the new input
+    scale per group); the serving function never fetches them, so pruning
+    leaves it unchanged.
     """
+
+    def __init__(self, builder: GraphBuilder, taps: Callable[[], Sequence]) -> None:
+        self.builder, self.taps = builder, taps
+        self.graph = builder.graph
+
+    def run(self) -> PassResult:
+        outputs = add_calibration_outputs(self.builder, self.taps())
+        return PassResult(bool(outputs), stats=outputs)
+
+
+def add_calibration_outputs(qpass: GraphBuilder, taps: Sequence) -> dict[str, TensorRef]:
+    """Add the update ops for every float8 group tapped in ``qpass``'s graph; the new scales by name."""
     by_group: dict[str, list] = {}
-    for tap in qpass.result.taps:
+    for tap in taps:
         by_group.setdefault(tap.group.prefix, []).append(tap)
     outputs = {}
     for prefix in sorted(by_group):
@@ -50,7 +69,7 @@ def add_calibration_outputs(qpass: QuantizePass) -> dict[str, TensorRef]:
     return outputs
 
 
-def _tensor_amax(qpass: QuantizePass, x: TensorRef, base: str) -> TensorRef:
+def _tensor_amax(qpass: GraphBuilder, x: TensorRef, base: str) -> TensorRef:
     dtype = qpass.graph.tensor_dtype(x)
     T = _type(dtype)
     flat = qpass.op("Reshape", f"{base}/flatten", [qpass.op("Abs", f"{base}/abs", [x], T=T),
@@ -63,7 +82,7 @@ def _tensor_amax(qpass: QuantizePass, x: TensorRef, base: str) -> TensorRef:
     return qpass.op("Cast", f"{base}/to_float32", [amax], SrcT=T, DstT=_type(F32), Truncate=_bool(False))
 
 
-def _update(qpass: QuantizePass, history_name: str, scale_name: str, amax: TensorRef, base: str) -> TensorRef:
+def _update(qpass: GraphBuilder, history_name: str, scale_name: str, amax: TensorRef, base: str) -> TensorRef:
     f32 = _type(F32)
     history = qpass.read(history_name)
     rolled = qpass.op("Roll", f"{base}/roll", [history, qpass.const(f"{base}/shift", -1, INT32),

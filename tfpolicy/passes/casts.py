@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from tfpolicy.core import tf_names
 from tfpolicy.core.graph import Node
-from tfpolicy.core.tf_names import FLOAT_DTYPES, TensorRef
+from tfpolicy.core.tf_names import DT_HALF, FLOAT_DTYPES, TensorRef, bool_attr, tensor_attr, type_attr
 from tfpolicy.passes.float_rules import FLOAT16_MAX, exact_cast
 
 
@@ -52,9 +51,9 @@ class CastBuilder:
             base,
             [str(ref)],
             {
-                "SrcT": attr_value_pb2.AttrValue(type=have),
-                "DstT": attr_value_pb2.AttrValue(type=want),
-                "Truncate": attr_value_pb2.AttrValue(b=False),
+                "SrcT": type_attr(have),
+                "DstT": type_attr(want),
+                "Truncate": bool_attr(False),
             },
             device=producer.device,
         )
@@ -82,16 +81,15 @@ class CastBuilder:
     def _converted_constant(self, const: Node, want: int) -> TensorRef:
         """A copy of the float Const ``const`` in dtype ``want`` (float16: clamped to its range)."""
         array = tf.make_ndarray(const.attrs["value"].tensor)
-        if want == types_pb2.DT_HALF and array.size and np.abs(array).max() > FLOAT16_MAX:
+        if want == DT_HALF and array.size and np.abs(array).max() > FLOAT16_MAX:
             array = np.clip(array, -FLOAT16_MAX, FLOAT16_MAX)
             self.stats.constants_clamped += 1
         numpy_dtype = tf.dtypes.as_dtype(want).as_numpy_dtype
-        tensor = tf.make_tensor_proto(np.asarray(array, dtype=numpy_dtype), shape=array.shape)
         copy = self.graph.add_node(
             "Const",
             f"{const.name}/tfpolicy/as_{tf_names.dtype_name(want)}",
             [f"^{c}" for c in const.control_inputs()],
-            {"dtype": attr_value_pb2.AttrValue(type=want), "value": attr_value_pb2.AttrValue(tensor=tensor)},
+            {"dtype": type_attr(want), "value": tensor_attr(np.asarray(array, dtype=numpy_dtype))},
             device=const.device,
         )
         self.stats.retyped[self._layer(const)] += 1

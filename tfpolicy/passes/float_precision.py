@@ -42,13 +42,12 @@ import dataclasses
 import logging
 from typing import Optional
 
-from tensorflow.core.framework import attr_value_pb2, types_pb2
-
 from tfpolicy.analysis.layer_index import LayerIndex
 from tfpolicy.analysis.plan import Plan
 from tfpolicy.core import tf_names
 from tfpolicy.core.graph import Graph, Node
-from tfpolicy.core.tf_names import FLOAT_DTYPES, TensorRef
+from tfpolicy.core.tf_names import DT_FLOAT, DT_RESOURCE, DT_VARIANT, FLOAT_DTYPES, TensorRef, type_attr, type_list_attr
+from tfpolicy.passes import PassResult
 from tfpolicy.passes.casts import CastBuilder
 from tfpolicy.passes.float_rules import (
     ATTENTION_SOFTMAX,
@@ -115,7 +114,8 @@ class FloatPrecisionPass(CastBuilder):
 
     # -- entry point -----------------------------------------------------------
 
-    def run(self) -> GraphStats:
+    def run(self) -> PassResult:
+        """Retype the graph; ``stats`` is the :class:`GraphStats`."""
         graph = self.graph
         output_dtypes = {key: graph.tensor_dtype(ref) for key, ref in graph.outputs.items()}
         self._position_math = position_math(graph)
@@ -131,7 +131,7 @@ class FloatPrecisionPass(CastBuilder):
             if graph.tensor_dtype(ref) != want:
                 graph.outputs[key] = self._cast(ref, want)
         self._fold_constant_copies()
-        return self.stats
+        return PassResult(self.stats.modified, stats=self.stats)
 
     # -- deciding a node's dtype -------------------------------------------------
 
@@ -162,7 +162,7 @@ class FloatPrecisionPass(CastBuilder):
             return
         new = self.variable_dtypes[info.uid]
         if node.attrs["dtype"].type != new:
-            node.attrs["dtype"] = attr_value_pb2.AttrValue(type=new)
+            node.attrs["dtype"] = type_attr(new)
             self.stats.retyped[self._layer(node)] += 1
 
     def _follow_input(self, node: Node) -> None:
@@ -175,36 +175,36 @@ class FloatPrecisionPass(CastBuilder):
             current = list(attr.list.type)
             new = [have if (have in FLOAT_DTYPES and old in FLOAT_DTYPES) else old for old, have in zip(current, inputs)]
             if new != current:
-                node.attrs[attr_name] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=new))
+                node.attrs[attr_name] = type_list_attr(new)
         elif inputs and attr.type in FLOAT_DTYPES and inputs[0] in FLOAT_DTYPES and inputs[0] != attr.type:
-            node.attrs[attr_name] = attr_value_pb2.AttrValue(type=inputs[0])
+            node.attrs[attr_name] = type_attr(inputs[0])
 
     def _retype_cast(self, node: Node) -> None:
         layer, target, normalization = self._target(node)
         (_, source), = node.data_inputs()
         have = self.graph.tensor_dtype(source)
         src, dst = node.attrs["SrcT"].type, node.attrs["DstT"].type
-        if src not in FLOAT_DTYPES and dst == types_pb2.DT_FLOAT and target != dst:
+        if src not in FLOAT_DTYPES and dst == DT_FLOAT and target != dst:
             self.stats.decline(layer, POSITION_MATH)  # integers to float32: positions, masks
         if have != src and have in FLOAT_DTYPES and src in FLOAT_DTYPES:
-            node.attrs["SrcT"] = attr_value_pb2.AttrValue(type=have)
+            node.attrs["SrcT"] = type_attr(have)
             self.stats.casts_folded += 1
             if have == dst:  # the Cast became a no-op
                 node.op = "Identity"
-                node.attrs = {"T": attr_value_pb2.AttrValue(type=dst)}
+                node.attrs = {"T": type_attr(dst)}
 
     def _retype_compute(self, node: Node) -> None:
         layer, target, normalization = self._target(node)
         if layer is None and self.index.between_layers(self.signature, self.graph, node):
             target = self._inputs_dtype(node)
-        if target in FLOAT_DTYPES and target != types_pb2.DT_FLOAT and not normalization:
+        if target in FLOAT_DTYPES and target != DT_FLOAT and not normalization:
             promoted = self._promote(node, layer, target)
             if promoted != target:
                 self._promoted.add(node.name)
-                if promoted == types_pb2.DT_FLOAT:
+                if promoted == DT_FLOAT:
                     self.stats.decline(layer, PROMOTED)
                 target = promoted
-        if target == types_pb2.DT_FLOAT or target not in FLOAT_DTYPES:
+        if target == DT_FLOAT or target not in FLOAT_DTYPES:
             return
         attrs = self._float_type_attrs(node)
         if not attrs or node.op == "Const":  # constants follow their consumers (_cast)
@@ -234,10 +234,10 @@ class FloatPrecisionPass(CastBuilder):
         for attr_name in attrs:
             value = node.attrs[attr_name]
             if value.HasField("list"):
-                new = [target if t == types_pb2.DT_FLOAT else t for t in value.list.type]
-                node.attrs[attr_name] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=new))
+                new = [target if t == DT_FLOAT else t for t in value.list.type]
+                node.attrs[attr_name] = type_list_attr(new)
             else:
-                node.attrs[attr_name] = attr_value_pb2.AttrValue(type=target)
+                node.attrs[attr_name] = type_attr(target)
         self.stats.retyped[layer] += 1
 
     def _inputs_dtype(self, node: Node) -> int:
@@ -248,7 +248,7 @@ class FloatPrecisionPass(CastBuilder):
             if have in FLOAT_DTYPES and self.graph.producer(ref).op != "Const":
                 have = self._returned_dtype(ref)
                 found = have if found is None else wider(found, have)
-        return types_pb2.DT_FLOAT if found is None else found
+        return DT_FLOAT if found is None else found
 
     def _promote(self, node: Node, layer: Optional[str], target: int) -> int:
         """The dtype Keras computes ``node`` in: ``result_type`` of its inputs as Keras sees them.
@@ -296,17 +296,17 @@ class FloatPrecisionPass(CastBuilder):
                 continue
             value = node.attrs[name]
             if value.HasField("list"):
-                if types_pb2.DT_FLOAT in value.list.type:
+                if DT_FLOAT in value.list.type:
                     names.append(name)
-            elif value.type == types_pb2.DT_FLOAT:
+            elif value.type == DT_FLOAT:
                 names.append(name)
-        if node.op == "Const" and node.attrs["dtype"].type == types_pb2.DT_FLOAT:
+        if node.op == "Const" and node.attrs["dtype"].type == DT_FLOAT:
             names = ["dtype"]
         return names
 
     def _touches_resources(self, node: Node) -> bool:
         dtypes = self.graph.input_dtypes(node) + self.graph.output_dtypes(node)
-        return types_pb2.DT_RESOURCE in dtypes or types_pb2.DT_VARIANT in dtypes
+        return DT_RESOURCE in dtypes or DT_VARIANT in dtypes
 
     # -- casts -------------------------------------------------------------------
 
@@ -318,7 +318,7 @@ class FloatPrecisionPass(CastBuilder):
             if have != want and have in FLOAT_DTYPES and want in FLOAT_DTYPES:
                 self._note_entry(ref, node, have)
                 for dtype in self._casts_on_the_way(ref, node):
-                    if self.graph.tensor_dtype(ref) != dtype and dtype != types_pb2.DT_FLOAT:
+                    if self.graph.tensor_dtype(ref) != dtype and dtype != DT_FLOAT:
                         ref = self._cast(ref, dtype)
                 if self.graph.tensor_dtype(ref) != want:
                     ref = self._cast(ref, want)
@@ -394,6 +394,6 @@ def choose_variable_dtypes(plan: Plan, index: LayerIndex, skip: frozenset[int] |
     for info in index.variables.values():
         layer_plan = plan.for_layer(info.layer_path)
         target = layer_plan.variable_enum
-        if info.uid not in skip and info.dtype == types_pb2.DT_FLOAT and target in FLOAT_DTYPES and target != info.dtype:
+        if info.uid not in skip and info.dtype == DT_FLOAT and target in FLOAT_DTYPES and target != info.dtype:
             chosen[info.uid] = target
     return chosen

@@ -16,11 +16,10 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-from tensorflow.core.framework import types_pb2
 
 from tfpolicy.core import tf_names
 from tfpolicy.core.graph import Graph, Node
-from tfpolicy.core.tf_names import FLOAT_DTYPES
+from tfpolicy.core.tf_names import DT_DOUBLE, DT_FLOAT, FLOAT_DTYPES
 
 # Ops whose dtype attribute is the variable's: retyped only with the variable.
 VARIABLE_READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
@@ -89,9 +88,9 @@ def wider(a: int, b: int) -> int:
     """Keras's ``result_type`` of two float dtypes (bfloat16 with float16 is float32)."""
     if a == b:
         return a
-    if types_pb2.DT_DOUBLE in (a, b):
-        return types_pb2.DT_DOUBLE
-    return types_pb2.DT_FLOAT
+    if DT_DOUBLE in (a, b):
+        return DT_DOUBLE
+    return DT_FLOAT
 
 
 POSITION_MATH = "computed from integers and constants only (positions, masks), kept in float32"

@@ -141,17 +141,9 @@ class Int4Rewrites:
     def _int4_gather(self, site: Site, kernel: Int4Kernel) -> None:
         """Gather packed rows, unpack them, and dequantize them as Keras's int4 Embedding does."""
         node = self.graph.nodes[site.node]
-        inputs = [ref for _, ref in node.data_inputs()]
-        indices = inputs[1]
         base = f"{node.name}/tfpolicy/int4"
-        if node.op == "GatherV2":
-            packed = self.op("GatherV2", f"{base}/packed_rows", inputs, **{**node.attrs, "Tparams": _type(INT8)})
-            gathered = lambda name, dtype: self.op(  # noqa: E731
-                "GatherV2", f"{base}/row_{name}", [self.read(name), indices, inputs[2]], **{**node.attrs, "Tparams": _type(dtype)})
-        else:
-            packed = self.op("ResourceGather", f"{base}/packed_rows", inputs, **{**node.attrs, "dtype": _type(INT8)})
-            gathered = lambda name, dtype: self.op(  # noqa: E731
-                "ResourceGather", f"{base}/row_{name}", [TensorRef(self.handle(name)), indices], **{**node.attrs, "dtype": _type(dtype)})
+        packed = self.lookup_rows(node, None, INT8, f"{base}/packed_rows")
+        gathered = lambda name, dtype: self.lookup_rows(node, name, dtype, f"{base}/row_{name}")  # noqa: E731
         dtype = site.compute_dtype  # as the int8 lookup (see _gather)
         T = _type(dtype)
         values = self.op("Cast", f"{base}/cast", [self._unpack_int4(packed, kernel.columns, f"{base}/unpack")],

@@ -14,15 +14,15 @@ from typing import Callable, Optional
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import types_pb2
 
 from tfpolicy.analysis.quant_sites import Int4Kernel, QuantPlan
 from tfpolicy.core.assemble import NewVariable
+from tfpolicy.core.tf_names import DT_FLOAT, DT_FLOAT8_E4M3FN, DT_INT8, DT_INT32
 
-FLOAT8 = types_pb2.DT_FLOAT8_E4M3FN
-INT8 = types_pb2.DT_INT8
-F32 = types_pb2.DT_FLOAT
-INT32 = types_pb2.DT_INT32
+FLOAT8 = DT_FLOAT8_E4M3FN
+INT8 = DT_INT8
+F32 = DT_FLOAT
+INT32 = DT_INT32
 # The constants of Keras's formulas (``keras.quantizers``), read from Keras
 # and TensorFlow's dtypes: int8 is symmetric in [-127, 127] (``abs_max_quantize``'s
 # ``value_range``), with Keras's epsilon under the scale; float8 e4m3's

@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Optional
 
 import numpy as np
-import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2, types_pb2
 
 from tfpolicy.analysis.layer_index import LayerIndex
 from tfpolicy.analysis.quant_sites import Float8Group, Int8Kernel, QuantPlan, Site
@@ -52,6 +51,8 @@ from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import type_attr as _type
+from tfpolicy.passes import PassResult
+from tfpolicy.passes.builder import CAPTURE_SCOPE, GraphBuilder  # noqa: F401  (CAPTURE_SCOPE re-exported)
 from tfpolicy.passes.int4 import Int4Rewrites
 from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the formulas' constants, the variables)
     EPSILON,
@@ -68,7 +69,6 @@ from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the f
 
 logger = logging.getLogger(__name__)
 
-CAPTURE_SCOPE = "tfpolicy"
 
 
 # -- per-graph rewriting ------------------------------------------------------------
@@ -93,7 +93,7 @@ class QuantizeResult:
         return bool(self.quantized)
 
 
-class QuantizePass(Int4Rewrites):
+class QuantizePass(GraphBuilder, Int4Rewrites):
     """Rewrite the sites of one signature's top-level graph."""
 
     def __init__(
@@ -105,19 +105,21 @@ class QuantizePass(Int4Rewrites):
         variables: dict[str, NewVariable],
         constant_scales: bool = False,
     ) -> None:
-        self.signature, self.graph, self.index = signature, graph, index
-        self.qplan, self.variables = qplan, variables
-        self.constant_scales = constant_scales
-        self.result = QuantizeResult()
-        self._reads: dict[str, TensorRef] = {}
-        self._scales: dict[tuple[str, int], TensorRef] = {}
+        super().__init__(graph, variables, constant_scales)
+        self.signature, self.index, self.qplan = signature, index, qplan
+        self.result = QuantizeResult(new_captures=self.new_captures)
         self._qdq: dict[tuple, TensorRef] = {}
         self._tokens: dict[str, tuple[TensorRef, TensorRef]] = {}  # input -> (int8 values, scale)
         self._int8_consumers: set[str] = set()  # nodes that read an int8 (or packed int4) kernel as such
         self._unpacked: dict[str, TensorRef] = {}  # int4 kernel read -> its int8 values
         self._taps: dict[tuple, CalibrationTap] = {}
 
-    def run(self) -> QuantizeResult:
+    def run(self) -> PassResult:
+        """Rewrite every site of this graph; ``stats`` is the :class:`QuantizeResult`."""
+        result = self._rewrite()
+        return PassResult(result.modified, stats=result)
+
+    def _rewrite(self) -> QuantizeResult:
         sites = sorted(self.qplan.sites_in(self.signature, self.graph.name), key=lambda s: s.node)
         self._int8_consumers.update(s.node for s in sites if s.contraction.kind == "gather")
         reads: dict[int, list[Node]] = {}
@@ -156,22 +158,6 @@ class QuantizePass(Int4Rewrites):
 
     # -- variables -------------------------------------------------------------------
 
-    def handle(self, name: str) -> str:
-        """The resource placeholder of new variable ``name`` in this graph."""
-        placeholder = f"{CAPTURE_SCOPE}/{name}"
-        if placeholder not in self.graph.nodes:
-            variable = self.variables[name]
-            shape = tensor_shape_pb2.TensorShapeProto(
-                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in variable.value.shape])
-            self.graph.add_node("Placeholder", placeholder, [], {
-                "dtype": _type(types_pb2.DT_RESOURCE),
-                "shape": attr_value_pb2.AttrValue(shape=tensor_shape_pb2.TensorShapeProto()),
-                "_handle_dtypes": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=[variable.dtype])),
-                "_handle_shapes": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(shape=[shape])),
-            })
-            self.result.new_captures[placeholder] = name
-        return placeholder
-
     def _retype_kernel_arguments(self) -> None:
         """A called function's resource arguments that now carry int8 kernels say so."""
         for node in self.graph.nodes.values():
@@ -179,42 +165,6 @@ class QuantizePass(Int4Rewrites):
                 uid = self.index.variable_of(self.signature, self.graph, TensorRef(node.name))
                 if uid in self.qplan.int8_kernels:
                     self.graph.arg_handle_dtypes[node.attrs["index"].i] = INT8
-
-    def read(self, name: str) -> TensorRef:
-        """One ``ReadVariableOp`` of new variable ``name`` per graph.
-
-        In a called function (``constant_scales``), whose signature cannot take
-        a new variable, an int8 scale (fixed by the weights) is a Const instead.
-        """
-        if name not in self._reads and self.constant_scales:
-            value = self.variables[name].value
-            self._reads[name] = self.const(f"{CAPTURE_SCOPE}/{name}/value", value, self.variables[name].dtype)
-        if name not in self._reads:
-            handle = self.handle(name)
-            node = self.graph.add_node("ReadVariableOp", f"{handle}/read", [handle], {"dtype": _type(self.variables[name].dtype)})
-            self._reads[name] = TensorRef(node.name)
-        return self._reads[name]
-
-    def scale_as(self, name: str, dtype: int) -> TensorRef:
-        """A float32 scale variable's value in ``dtype`` (one Cast per graph and dtype)."""
-        key = (name, dtype)
-        if key not in self._scales:
-            ref = self.read(name)
-            if dtype != F32:
-                ref = self.op("Cast", f"{ref.node}/to_{tf.dtypes.as_dtype(dtype).name}", [ref],
-                              SrcT=_type(F32), DstT=_type(dtype), Truncate=_bool(False))
-            self._scales[key] = ref
-        return self._scales[key]
-
-    # -- node helpers ----------------------------------------------------------------
-
-    def op(self, op: str, name: str, inputs: list[TensorRef], **attrs: attr_value_pb2.AttrValue) -> TensorRef:
-        node = self.graph.add_node(op, name, [str(i) for i in inputs], attrs)
-        return TensorRef(node.name)
-
-    def const(self, name: str, value, dtype: int) -> TensorRef:
-        node = self.graph.add_const(name, np.asarray(value, dtype=numpy_dtype(dtype)))
-        return TensorRef(node.name)
 
     # -- int8 ------------------------------------------------------------------------
 
@@ -330,17 +280,9 @@ class QuantizePass(Int4Rewrites):
     def _gather(self, site: Site, kernel: Int8Kernel) -> None:
         """Gather int8 rows and their scales; the lookup's node becomes the division."""
         node = self.graph.nodes[site.node]
-        inputs = [ref for _, ref in node.data_inputs()]
-        indices = inputs[1]
         base = f"{node.name}/tfpolicy"
-        if node.op == "GatherV2":
-            rows = self.op("GatherV2", f"{base}/int8_rows", inputs, **{**node.attrs, "Tparams": _type(INT8)})
-            scales = self.op("GatherV2", f"{base}/row_scales", [self.read(kernel.scale_name), indices, inputs[2]],
-                             **{**node.attrs, "Tparams": _type(F32)})
-        else:
-            rows = self.op("ResourceGather", f"{base}/int8_rows", inputs, **{**node.attrs, "dtype": _type(INT8)})
-            scales = self.op("ResourceGather", f"{base}/row_scales", [TensorRef(self.handle(kernel.scale_name)), indices],
-                             **{**node.attrs, "dtype": _type(F32)})
+        rows = self.lookup_rows(node, None, INT8, f"{base}/int8_rows")
+        scales = self.lookup_rows(node, kernel.scale_name, F32, f"{base}/row_scales")
         # In the layer's compute dtype, as Keras's int8 Embedding divides.
         output_dtype, dtype = self.graph.output_dtypes(node)[0], site.compute_dtype
         T = _type(dtype)
@@ -357,6 +299,19 @@ class QuantizePass(Int4Rewrites):
             divided = self.op("RealDiv", f"{base}/divide", [as_float, scales], T=T)
             self.graph.redefine(node, "Cast", [str(divided)],
                                 {"SrcT": T, "DstT": _type(output_dtype), "Truncate": _bool(False)})
+
+    def lookup_rows(self, lookup: Node, variable: Optional[str], dtype: int, name: str) -> TensorRef:
+        """The rows embedding ``lookup`` (GatherV2 or ResourceGather) selects.
+
+        From its own table, read as ``dtype`` (``variable`` None), or from the
+        same rows of new variable ``variable`` (its scales, its zero points).
+        """
+        inputs = [ref for _, ref in lookup.data_inputs()]
+        if lookup.op == "GatherV2":
+            table = inputs[0] if variable is None else self.read(variable)
+            return self.op("GatherV2", name, [table, *inputs[1:]], **{**lookup.attrs, "Tparams": _type(dtype)})
+        handle = inputs[0] if variable is None else TensorRef(self.handle(variable))
+        return self.op("ResourceGather", name, [handle, *inputs[1:]], **{**lookup.attrs, "dtype": _type(dtype)})
 
     def _int8_input(self, site: Site) -> None:
         node = self.graph.nodes[site.node]

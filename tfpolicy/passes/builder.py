@@ -1,0 +1,84 @@
+"""Building nodes in one graph, and reading the variables the rewrite adds.
+
+The quantize pass and the calibration pass share one :class:`GraphBuilder`
+per graph, so that a new variable gets one resource placeholder and one read
+per graph, whichever pass asks first::
+
+    builder.read("dense/kernel_scale")
+        -> Placeholder "tfpolicy/dense/kernel_scale" (resource, its dtype and shape)
+        -> ReadVariableOp "tfpolicy/dense/kernel_scale/read"
+
+``new_captures`` maps those placeholders to variable names; saving binds each
+to the new ``tf.Variable``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfpolicy.core.assemble import NewVariable
+from tfpolicy.core.graph import Graph
+from tfpolicy.core.tf_names import DT_FLOAT, DT_RESOURCE, AttrValue, TensorRef, bool_attr, shape_attr, shape_list_attr
+from tfpolicy.core.tf_names import type_attr, type_list_attr
+
+CAPTURE_SCOPE = "tfpolicy"
+
+
+class GraphBuilder:
+    """Node helpers over ``graph``; ``variables`` are the new variables by name."""
+
+    def __init__(self, graph: Graph, variables: dict[str, NewVariable], constant_scales: bool = False) -> None:
+        self.graph, self.variables = graph, variables
+        self.constant_scales = constant_scales
+        self.new_captures: dict[str, str] = {}  # placeholder -> variable name
+        self._reads: dict[str, TensorRef] = {}
+        self._scales: dict[tuple[str, int], TensorRef] = {}
+
+    def op(self, op: str, name: str, inputs: list[TensorRef], **attrs: AttrValue) -> TensorRef:
+        node = self.graph.add_node(op, name, [str(i) for i in inputs], attrs)
+        return TensorRef(node.name)
+
+    def const(self, name: str, value, dtype: int) -> TensorRef:
+        node = self.graph.add_const(name, np.asarray(value, dtype=tf.dtypes.as_dtype(dtype).as_numpy_dtype))
+        return TensorRef(node.name)
+
+    def handle(self, name: str) -> str:
+        """The resource placeholder of new variable ``name`` in this graph."""
+        placeholder = f"{CAPTURE_SCOPE}/{name}"
+        if placeholder not in self.graph.nodes:
+            variable = self.variables[name]
+            self.graph.add_node("Placeholder", placeholder, [], {
+                "dtype": type_attr(DT_RESOURCE),
+                "shape": shape_attr([]),
+                "_handle_dtypes": type_list_attr([variable.dtype]),
+                "_handle_shapes": shape_list_attr([variable.value.shape]),
+            })
+            self.new_captures[placeholder] = name
+        return placeholder
+
+    def read(self, name: str) -> TensorRef:
+        """One ``ReadVariableOp`` of new variable ``name`` per graph.
+
+        In a called function (``constant_scales``), whose signature cannot take
+        a new variable, an int8 scale (fixed by the weights) is a Const instead.
+        """
+        if name not in self._reads and self.constant_scales:
+            value = self.variables[name].value
+            self._reads[name] = self.const(f"{CAPTURE_SCOPE}/{name}/value", value, self.variables[name].dtype)
+        if name not in self._reads:
+            handle = self.handle(name)
+            node = self.graph.add_node("ReadVariableOp", f"{handle}/read", [handle], {"dtype": type_attr(self.variables[name].dtype)})
+            self._reads[name] = TensorRef(node.name)
+        return self._reads[name]
+
+    def scale_as(self, name: str, dtype: int) -> TensorRef:
+        """A float32 scale variable's value in ``dtype`` (one Cast per graph and dtype)."""
+        key = (name, dtype)
+        if key not in self._scales:
+            ref = self.read(name)
+            if dtype != DT_FLOAT:
+                ref = self.op("Cast", f"{ref.node}/to_{tf.dtypes.as_dtype(dtype).name}", [ref],
+                              SrcT=type_attr(DT_FLOAT), DstT=type_attr(dtype), Truncate=bool_attr(False))
+            self._scales[key] = ref
+        return self._scales[key]
