@@ -84,10 +84,10 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan) -> QuantPlan:
                     continue
                 if node.op in ("GatherV2", "ResourceGather") and not _gathers_floats(node):
                     continue  # a shape or index lookup, not an embedding
-                found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index, bodies)
+                found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index, bodies,
+                               layer_plan.block_size)
                 if isinstance(found, Site):
-                    found = dataclasses.replace(found, compute_dtype=layer_plan.compute_enum,
-                                                int4_rescaled=found.int4_rescaled and layer_plan.block_size is None)
+                    found = dataclasses.replace(found, compute_dtype=layer_plan.compute_enum)
                 (sites if isinstance(found, Site) else declined).append(found)
     sites, more_declined = _check_variables(model, index, sites)
     declined.extend(more_declined)
@@ -124,7 +124,7 @@ def control_flow_bodies(graphs: list[Graph]) -> frozenset[str]:
 
 
 def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, index: LayerIndex,
-           bodies: frozenset[str] = frozenset()):
+           bodies: frozenset[str] = frozenset(), block_size: "int | None" = None):
     def decline(reason: str) -> Declined:
         return Declined(layer, mode, node.name, node.op, reason)
 
@@ -165,7 +165,7 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
             return decline(f"the kernel reaches {node.op} through a reshape that mixes contracted and output axes")
         site = Site(signature, graph.name, node.name, node.op, layer, mode, contraction, info.uid, read_node, axes)
         if mode == "int4":
-            return _int4_site(graph, node, site, info.shape, decline)
+            return _int4_site(graph, node, site, info.shape, block_size, decline)
         if mode == "int8" and contraction.kind == "matmul":
             integer = integer_matmul(graph, node, site, info.shape)
             site = dataclasses.replace(site, **(
@@ -176,7 +176,7 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
 
 
 
-def _int4_site(graph: Graph, node: Node, site: Site, kernel_shape, decline) -> "Site | Declined":
+def _int4_site(graph: Graph, node: Node, site: Site, kernel_shape, block_size, decline) -> "Site | Declined":
     """An int4 site, or why Keras's int4 layout cannot hold its kernel."""
     if site.contraction.kind == "gather":
         if len(kernel_shape) != 2:
@@ -186,11 +186,12 @@ def _int4_site(graph: Graph, node: Node, site: Site, kernel_shape, decline) -> "
     if not axes or axes != tuple(range(len(axes))) or len(axes) >= len(kernel_shape):
         return decline("int4 packs kernels as (contracted axes, output axes), as Keras's Dense and EinsumDense;"
                        " this kernel's contracted axes do not come first")
-    # Dense divides by the scale after its matmul (a MatMul op: tf.matmul of a 2-D input, or
+    # Per channel, Dense divides by the scale after its matmul (a MatMul op: tf.matmul of a 2-D input, or
     # Tensordot's); EinsumDense, which Keras's einsum lowers to Einsum or BatchMatMulV2,
     # divides the kernel before. The order decides the last bit.
     rescaled = (
-        node.op == "MatMul"
+        block_size is None
+        and node.op == "MatMul"
         and len(kernel_shape) == 2
         and site.contraction.kernel_position == 1
         and not attr_bool(node, "transpose_a")

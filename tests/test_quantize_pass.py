@@ -1,0 +1,142 @@
+"""The quantization analysis, the quantize pass and the calibration pass on hand-built graphs.
+
+One Dense-like layer: ``x -> MatMul(x, ReadVariableOp(kernel)) -> y``. Each
+test builds the graph in code, finds the site, rewrites it and checks the
+structure: which ops, which dtypes, which new variables, and that the graph
+still verifies. (Keras as the oracle for the numbers is in test_int8_integer,
+test_int4 and test_quantization.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpolicy.analysis import quant_sites
+from tfpolicy.analysis.layer_index import LayerIndex, VariableInfo
+from tfpolicy.analysis.plan import LayerPlan, Plan
+from tfpolicy.core.graph import Graph
+from tfpolicy.core.tf_names import DT_FLOAT, DT_INT8, DT_INT32, DT_RESOURCE, TensorRef, bool_attr, type_attr
+from tfpolicy.passes.calibration import CalibrationPass
+from tfpolicy.passes.quantize import QuantizePass, build_variables
+
+KERNEL = np.arange(12, dtype=np.float32).reshape(4, 3) / 10.0 - 0.5
+UID = 7
+
+
+def _graph() -> Graph:
+    graph = Graph("g")
+    graph.add_node("Placeholder", "x", [], {"dtype": type_attr(DT_FLOAT)})
+    graph.add_node("Placeholder", "kernel_handle", [], {"dtype": type_attr(DT_RESOURCE)})
+    graph.add_node("ReadVariableOp", "dense/MatMul/ReadVariableOp", ["kernel_handle"], {"dtype": type_attr(DT_FLOAT)})
+    graph.add_node("MatMul", "dense/MatMul", ["x", "dense/MatMul/ReadVariableOp"],
+                   {"T": type_attr(DT_FLOAT), "transpose_a": bool_attr(False), "transpose_b": bool_attr(False)})
+    graph.add_node("Identity", "y", ["dense/MatMul"], {"T": type_attr(DT_FLOAT)})
+    graph.outputs["y"] = TensorRef("y")
+    return graph
+
+
+def _index(graph: Graph) -> LayerIndex:
+    index = LayerIndex()
+    index.variables[UID] = VariableInfo("dense/kernel", "dense", DT_FLOAT, KERNEL.shape, UID)
+    index._resources[("sig", graph.name)] = {"kernel_handle": UID}
+    for name in graph.nodes:
+        index._node_layer[("sig", graph.name, name)] = "dense" if name.startswith("dense/") else None
+    return index
+
+
+def _plan(policy: str, mode: str, block_size=None) -> Plan:
+    row = LayerPlan("dense", "dense", policy, "float32", "float32", mode, 16 if mode == "float8" else None,
+                    False, 1, 2, block_size)
+    return Plan({"dense": row, None: LayerPlan(None, None, "float32", "float32", "float32", None, None, False, 0, 0)}, ())
+
+
+def _rewrite(mode: str, policy: str, block_size=None):
+    graph = _graph()
+    index = _index(graph)
+    plan = _plan(policy, mode, block_size)
+    site = quant_sites._match("sig", graph, graph.nodes["dense/MatMul"], "dense", mode, index, block_size=block_size)
+    assert isinstance(site, quant_sites.Site), site
+    sites = [site]
+    qplan = quant_sites.QuantPlan(tuple(sites), (), quant_sites._int8_kernels(sites, index),
+                                  quant_sites._float8_groups(sites, index, plan), (),
+                                  quant_sites._int4_kernels(sites, index, plan))
+    variables = build_variables(qplan, lambda uid: KERNEL)
+    quantize = QuantizePass("sig", graph, index, qplan, variables)
+    return graph, qplan, variables, quantize
+
+
+def _ops(graph: Graph) -> list[str]:
+    return sorted(n.op for n in graph.nodes.values())
+
+
+def test_int8_site_becomes_an_integer_matmul_on_the_int8_variable():
+    graph, qplan, variables, quantize = _rewrite("int8", "int8_from_float32")
+    assert qplan.sites[0].form == "integer matmul"
+    result = quantize.run()
+    assert result.modified and result.stats.quantized == {"dense": 1}
+    assert graph.verify() == []
+    (matmul,) = [n for n in graph.nodes.values() if n.op == "BatchMatMulV3"]
+    assert (matmul.attrs["Ta"].type, matmul.attrs["Tb"].type, matmul.attrs["Tout"].type) == (DT_INT8, DT_INT8, DT_INT32)
+    assert graph.producer(TensorRef(matmul.inputs[1])).name == "dense/MatMul/ReadVariableOp"
+    assert graph.nodes["dense/MatMul/ReadVariableOp"].attrs["dtype"].type == DT_INT8  # reads the int8 kernel itself
+    assert graph.nodes["dense/MatMul"].op == "RealDiv"  # the site's node now rescales, its consumers unchanged
+    assert "MatMul" not in _ops(graph)
+    assert result.stats.new_captures == {"tfpolicy/dense/kernel_scale": "dense/kernel_scale"}
+    q, scale = variables["dense/kernel"].value, variables["dense/kernel_scale"].value
+    assert q.dtype == np.int8 and scale.shape == (3,)
+    np.testing.assert_allclose(q / scale, KERNEL, atol=np.abs(KERNEL).max() / 127)
+
+
+@pytest.mark.parametrize("block_size, form", [(None, "int4 kernel, divided by its scale after the matmul"),
+                                              (2, "int4 kernel dequantized before the contraction")])
+def test_int4_site_unpacks_the_packed_kernel(block_size, form):
+    graph, qplan, variables, quantize = _rewrite("int4", "int4_from_float32", block_size)
+    assert qplan.sites[0].form == form
+    kernel = qplan.int4_kernels[UID]
+    assert (kernel.rows, kernel.columns, kernel.block_size) == (4, 3, block_size)
+    assert variables["dense/kernel"].value.shape == (4, 2)  # 3 columns packed two to a byte, padded
+    assert ("dense/kernel_zero" in variables) == (block_size is not None)
+    quantize.run()
+    assert graph.verify() == []
+    ops = _ops(graph)
+    assert {"RightShift", "BitwiseAnd", "BitwiseXor", "Pack", "StridedSlice"} <= set(ops)  # Keras's unpack_int4
+    assert graph.nodes["dense/MatMul/ReadVariableOp"].attrs["dtype"].type == DT_INT8
+    matmuls = [n for n in graph.nodes.values() if n.op == "MatMul"]
+    assert len(matmuls) == 1 and matmuls[0].attrs["T"].type == DT_FLOAT
+    if block_size is None:
+        assert graph.nodes["dense/MatMul"].op == "RealDiv"
+    else:
+        assert graph.nodes["dense/MatMul"].op == "MatMul" and "GatherV2" in ops  # scales and zeros per block
+
+
+def test_float8_site_and_its_calibration_update():
+    graph, qplan, variables, quantize = _rewrite("float8", "float8_from_float32")
+    (group,) = qplan.float8_groups.values()
+    assert (group.prefix, group.history_length) == ("dense", 16)
+    result = quantize.run()
+    assert [str(t.tensor) for t in result.stats.taps] == ["x"]
+    matmul = graph.nodes["dense/MatMul"]
+    for position in (0, 1):  # both operands go through float8 and back
+        dequantize = graph.producer(TensorRef(matmul.inputs[position]))
+        assert dequantize.op == "Mul"
+    casts = [n for n in graph.nodes.values() if n.op == "Cast"]
+    assert sum(n.attrs["DstT"].type == tf.dtypes.experimental.float8_e4m3fn.as_datatype_enum for n in casts) == 2
+    calibrated = CalibrationPass(quantize, lambda: result.stats.taps).run()
+    assert calibrated.modified and list(calibrated.stats) == ["dense/inputs_scale"]
+    assigns = sorted(n.name for n in graph.nodes.values() if n.op == "AssignVariableOp")
+    assert assigns == ["tfpolicy/calibrate/dense/assign_history", "tfpolicy/calibrate/dense/assign_scale"]
+    assert graph.verify() == []
+    # The calibration reads the variables through the quantize pass's placeholders: one each.
+    placeholders = [n.name for n in graph.nodes.values() if n.name.startswith("tfpolicy/") and n.op == "Placeholder"]
+    assert sorted(placeholders) == sorted(f"tfpolicy/dense/{k}" for k in ("inputs_scale", "kernel_scale", "inputs_amax_history"))
+
+
+def test_a_kernel_of_another_layer_is_declined_with_the_reason():
+    graph = _graph()
+    index = _index(graph)
+    index.variables[UID] = VariableInfo("other/kernel", "other", DT_FLOAT, KERNEL.shape, UID)
+    declined = quant_sites._match("sig", graph, graph.nodes["dense/MatMul"], "dense", "int8", index)
+    assert isinstance(declined, quant_sites.Declined)
+    assert declined.reason == "its kernel 'other/kernel' belongs to layer 'other'"
