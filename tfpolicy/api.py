@@ -19,7 +19,7 @@ from tfpolicy.analysis import index_limits, layer_index, quant_sites
 from tfpolicy.analysis.plan import Plan
 from tfpolicy.analysis.plan import plan as make_plan
 from tfpolicy.analysis.policy_map import PolicyMap, PolicyMapSource
-from tfpolicy.core import assemble, savedmodel_io, tf_names
+from tfpolicy.core import assemble, savedmodel_io, savedmodel_save, tf_names
 from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import run_passes
 from tfpolicy.passes.calibration import CalibrationPass
@@ -87,7 +87,7 @@ def rewrite(
     input_path, output_path = pathlib.Path(input_dir), pathlib.Path(output_dir)
     check_target_name(target)
     savedmodel_io.check_input_dir(input_path)
-    savedmodel_io.check_output_dir(input_path, output_path, overwrite)
+    savedmodel_save.check_output_dir(input_path, output_path, overwrite)
     batches = _calibration_batches(calibration_data, calibration_batch_size, calibration_batches)
     state = _run(input_path, output_path, policy_map, signatures, strict, target)
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
@@ -118,7 +118,7 @@ def rewrite(
             functions=built.signatures,
         )
 
-    savedmodel_io.save_atomically(
+    savedmodel_save.save_atomically(
         built.root, built.signatures, output_path, overwrite, check=check if serving_checks else None
     )
     report.output_bytes = _directory_bytes(output_path)

@@ -6,7 +6,8 @@ passes, builds the new SavedModel from the rewritten graphs. The only stage
 that reads or writes protobufs and TensorFlow's SavedModel machinery;
 TensorFlow's private APIs live in :mod:`tfpolicy.core.tf_internals` alone.
 
-    savedmodel_io   load a SavedModel into graphs; rebuild concrete functions from them
+    savedmodel_io   load a SavedModel into graphs
+    savedmodel_save rebuild concrete functions from the graphs; save atomically
     graph           the graph view: nodes, use-def, edits, verify()
     tf_names        TensorFlow's edge-name and dtype-attribute rules
     assemble        the output's root object: variables, signatures, tfpolicy.calibrate

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
-from tfpolicy.core import savedmodel_io, tf_internals
+from tfpolicy.core import savedmodel_io, savedmodel_save, tf_internals
 from tfpolicy.core.savedmodel_io import LoadedModel, SignatureProgram
 from tfpolicy.core.tf_names import TensorRef
 
@@ -99,9 +99,9 @@ def assemble(
                 handles[placeholder] = capture.handle
         for placeholder, name in new_captures.get(program.key, {}).items():
             handles[placeholder] = created[name].handle
-        functions[program.key] = savedmodel_io.rebuild_function(program, handles)
+        functions[program.key] = savedmodel_save.rebuild_function(program, handles)
         if calibration is not None and calibration[0] == program.key:
-            calibrate = savedmodel_io.rebuild_function(program, handles, outputs=calibration[1])
+            calibrate = savedmodel_save.rebuild_function(program, handles, outputs=calibration[1])
     root = tf_internals.new_trackable_root()
     root.tfpolicy_variables = list(kept.values()) + list(converted.values()) + list(created.values())
     root.tfpolicy_resources = savedmodel_io.tracked_resources(model.root)

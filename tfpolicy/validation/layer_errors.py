@@ -8,7 +8,7 @@ its nodes that a node of another layer, or the signature's result, reads.
 
 Three evaluations per batch, each a function built from a signature graph with
 extra fetches (``wrap_function.function_from_graph_def``, the way
-:func:`tfpolicy.core.savedmodel_io.rebuild_function` rebuilds a signature)::
+:func:`tfpolicy.core.savedmodel_save.rebuild_function` rebuilds a signature)::
 
     float:       inputs -> every layer output tensor t           (the reference, ref[t])
     cumulative:  inputs -> rewritten t                           (errors accumulated up to t)
@@ -33,7 +33,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 
 from tfpolicy.analysis import layer_index
-from tfpolicy.core import savedmodel_io, tf_internals
+from tfpolicy.core import savedmodel_io, savedmodel_save, tf_internals
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.savedmodel_io import SignatureProgram
 from tfpolicy.core.tf_names import FLOAT_DTYPES, TensorRef, parse_input
@@ -321,7 +321,7 @@ def _cut_layer_boundaries(
 
 def _function(program: SignatureProgram, fetches: dict[str, str], extra_inputs: list[str]) -> Any:
     """A callable graph: the signature's inputs (+ ``extra_inputs``) -> ``fetches``."""
-    graph_def = savedmodel_io.build_graph_def(program)
+    graph_def = savedmodel_save.build_graph_def(program)
     handles = {placeholder: capture.handle for placeholder, capture in program.captures.items()}
     return tf_internals.function_from_graph_def(
         graph_def, list(program.input_tensors) + extra_inputs, fetches, handles
