@@ -152,7 +152,11 @@ def test_int4_output_compiles_with_xla_and_runs_in_a_tf1_session(cases, name):
     compiled = tf.function(lambda x: function(**{key: x}), jit_compile=True)
     y_xla = compiled(tf.constant(case.x))[next(iter(function.structured_outputs))].numpy().astype(np.float32)
     y_tool = case.tool_output()
-    np.testing.assert_allclose(y_xla, y_tool, rtol=2**-7, atol=2**-7 * np.abs(y_tool).max())
+    # XLA fuses the dequantization into the dot and rounds bfloat16 elsewhere than
+    # TensorFlow's kernels: a few bfloat16 steps apart, and as far from float32.
+    e_xla, e_tool = np.abs(y_xla - case.y_fp32).max(), np.abs(y_tool - case.y_fp32).max()
+    assert e_xla <= 1.25 * e_tool, (e_xla, e_tool)
+    np.testing.assert_allclose(y_xla, y_tool, atol=0.25 * e_tool)
     with tf.Graph().as_default(), tf.compat.v1.Session() as session:
         meta = tf.compat.v1.saved_model.loader.load(session, ["serve"], str(case.out))
         signature = meta.signature_def["serving_default"]
