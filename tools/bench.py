@@ -334,7 +334,19 @@ def _progress(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def format_table(rows: list[dict]) -> str:
+def render(lines: list[tuple[str, ...]], markdown: bool = False) -> str:
+    """A header row and rows as aligned text, or as a Markdown table (for the README)."""
+    if markdown:
+        header, *rows = lines
+        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|"]
+        return "\n".join(out + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def format_table(rows: list[dict], markdown: bool = False) -> str:
     header = ("depth", "params", "floor s", "floor MB", "tfpolicy s", "tfpolicy MB", "time x", "RSS x", "cpu x")
     lines = [header]
     for r in rows:
@@ -345,10 +357,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['time_ratio']:.2f}", f"{r['rss_ratio']:.2f}",
             f"{r['tfpolicy']['cpu_seconds'] / r['floor']['cpu_seconds']:.2f}",
         ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return render(lines, markdown)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=pathlib.Path, default=None,
                         help="where exports (reused) and outputs go (default: a fresh temp dir, removed at exit)")
     parser.add_argument("--json", type=pathlib.Path, default=None, metavar="OUT", help="also write results as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for the README)")
     parser.add_argument("--profile", type=int, default=None, metavar="DEPTH",
                         help="also profile tfpolicy.rewrite at DEPTH with cProfile")
     parser.add_argument("--top", type=int, default=30, help="rows of the cProfile listing (default 30)")
@@ -431,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             profile["depth"] = args.profile
 
         print()
-        print(format_table(rows))
+        print(format_table(rows, args.markdown))
         main_row = next(r for r in rows if r["depth"] == args.depth)
         print()
         print(f"depth {args.depth} ({main_row['params']:,} params): tfpolicy {main_row['tfpolicy']['seconds']:.1f}s"
@@ -470,10 +480,7 @@ def _serving(args, workdir: pathlib.Path, shape: dict, started: float) -> int:
     for r in result["rows"]:
         lines.append((r["policy"], f"{r['output_bytes'] / 1e6:.0f}", f"{r['variables_bytes'] / 1e6:.0f}",
                       f"{r['xla_seconds'] * 1e3:.0f}", str(r["dots"]), str(r["s8_dots"])))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    table = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
-    table.insert(1, "  ".join("-" * w for w in widths))
-    print(f"\ndepth {args.depth} ({params:,} params), {os.cpu_count()} CPUs:\n" + "\n".join(table))
+    print(f"\ndepth {args.depth} ({params:,} params), {os.cpu_count()} CPUs:\n" + render(lines, args.markdown))
     if args.json:
         args.json.write_text(json.dumps({"shape": shape, "depth": args.depth, "params": params, "cpus": os.cpu_count(),
                                          "total_seconds": time.perf_counter() - started, **result}, indent=2) + "\n")
