@@ -3,9 +3,10 @@
 A packed kernel (two int4 values a byte, Keras's ``pack_int4``) is unpacked in
 the graph with Keras's ``unpack_int4`` ops, then::
 
-    Dense, per channel:    x -> MatMul(Cast(unpacked)) -> RealDiv(kernel_scale)
-    EinsumDense, blocked:  Cast(unpacked) -> RealDiv(scale) or (q - zero[g]) * scale[g] -> Reshape -> Einsum
-    Embedding:             gather packed rows -> unpack -> RealDiv(row scale) or (q - zero) * scale
+    Dense, per channel:         x -> MatMul(Cast(unpacked)) -> RealDiv(kernel_scale)
+    EinsumDense, any blocked:   Cast(unpacked) -> RealDiv(scale) or (q - zero[g]) * scale[g]
+                                -> Reshape(kernel shape) -> the layer's Einsum / MatMul
+    Embedding:                  gather packed rows -> unpack -> RealDiv(row scale) or (q - zero) * scale
 
 :class:`Int4Rewrites` is mixed into :class:`tfpolicy.passes.quantize.QuantizePass`,
 whose node helpers (``op``, ``const``, ``read``, ``scale_as``) it uses.
