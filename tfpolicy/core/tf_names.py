@@ -87,6 +87,13 @@ def shape_list_attr(shapes: Sequence[Optional[Sequence[int]]]) -> attr_value_pb2
     return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(shape=[_shape_proto(s) for s in shapes]))
 
 
+def numpy_dtype(dtype: int):
+    """The numpy dtype of a DataType enum (``bfloat16`` and float8 through ml_dtypes)."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    return tf.dtypes.as_dtype(dtype).as_numpy_dtype
+
+
 def tensor_attr(array) -> attr_value_pb2.AttrValue:
     """A Const's ``value`` attribute holding numpy ``array``."""
     import tensorflow as tf  # noqa: PLC0415

@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from tfpolicy.core.assemble import NewVariable
 from tfpolicy.core.graph import Graph
-from tfpolicy.core.tf_names import DT_FLOAT, DT_RESOURCE, AttrValue, TensorRef, bool_attr, shape_attr, shape_list_attr
-from tfpolicy.core.tf_names import type_attr, type_list_attr
+from tfpolicy.core.tf_names import DT_INT32, DT_RESOURCE, AttrValue, TensorRef, bool_attr, int_attr
+from tfpolicy.core.tf_names import numpy_dtype, shape_attr, shape_list_attr, type_attr, type_list_attr
 
 CAPTURE_SCOPE = "tfpolicy"
 
@@ -40,8 +40,36 @@ class GraphBuilder:
         return TensorRef(node.name)
 
     def const(self, name: str, value, dtype: int) -> TensorRef:
-        node = self.graph.add_const(name, np.asarray(value, dtype=tf.dtypes.as_dtype(dtype).as_numpy_dtype))
+        node = self.graph.add_const(name, np.asarray(value, dtype=numpy_dtype(dtype)))
         return TensorRef(node.name)
+
+    def cast(self, ref: TensorRef, dtype: int, name: str) -> TensorRef:
+        """``ref`` as ``dtype``: ``ref`` itself when it already is, else a new Cast ``name``."""
+        have = self.graph.tensor_dtype(ref)
+        if have == dtype:
+            return ref
+        return self.op("Cast", name, [ref], SrcT=type_attr(have), DstT=type_attr(dtype), Truncate=bool_attr(False))
+
+    def take(self, params: TensorRef, indices: TensorRef, axis: int, name: str) -> TensorRef:
+        """``GatherV2(params, indices, axis)`` with int32 ``indices`` and a constant axis."""
+        return self.op("GatherV2", name, [params, indices, self.const(f"{name}/axis", axis, DT_INT32)],
+                       Tparams=type_attr(self.graph.tensor_dtype(params)), Tindices=type_attr(DT_INT32),
+                       Taxis=type_attr(DT_INT32), batch_dims=int_attr(0))
+
+    def leading_dims(self, x: TensorRef, end: int, base: str) -> TensorRef:
+        """``shape(x)[:end]``: x's leading (dynamic) dimensions, for a reshape target."""
+        shape = self.op("Shape", f"{base}/shape", [x], T=type_attr(self.graph.tensor_dtype(x)), out_type=type_attr(DT_INT32))
+        return self.op("StridedSlice", f"{base}/leading", [
+            shape, self.const(f"{base}/begin", [0], DT_INT32), self.const(f"{base}/end", [end], DT_INT32),
+            self.const(f"{base}/strides", [1], DT_INT32)],
+            T=type_attr(DT_INT32), Index=type_attr(DT_INT32), begin_mask=int_attr(0), end_mask=int_attr(0),
+            ellipsis_mask=int_attr(0), new_axis_mask=int_attr(0), shrink_axis_mask=int_attr(0))
+
+    def reshape_target(self, leading: TensorRef, tail: list[int], base: str) -> TensorRef:
+        """``concat(leading, tail)``: a shape that keeps the leading (dynamic) dimensions."""
+        return self.op("ConcatV2", f"{base}/shape", [leading, self.const(f"{base}/tail", tail, DT_INT32),
+                                                     self.const(f"{base}/axis", 0, DT_INT32)],
+                       N=int_attr(2), T=type_attr(DT_INT32), Tidx=type_attr(DT_INT32))
 
     def handle(self, name: str) -> str:
         """The resource placeholder of new variable ``name`` in this graph."""
@@ -77,8 +105,5 @@ class GraphBuilder:
         key = (name, dtype)
         if key not in self._scales:
             ref = self.read(name)
-            if dtype != DT_FLOAT:
-                ref = self.op("Cast", f"{ref.node}/to_{tf.dtypes.as_dtype(dtype).name}", [ref],
-                              SrcT=type_attr(DT_FLOAT), DstT=type_attr(dtype), Truncate=bool_attr(False))
-            self._scales[key] = ref
+            self._scales[key] = self.cast(ref, dtype, f"{ref.node}/to_{tf.dtypes.as_dtype(dtype).name}")
         return self._scales[key]

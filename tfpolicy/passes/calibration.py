@@ -77,9 +77,7 @@ def _tensor_amax(qpass: GraphBuilder, x: TensorRef, base: str) -> TensorRef:
                     T=T, Tshape=_type(INT32))
     amax = qpass.op("Max", f"{base}/max", [flat, qpass.const(f"{base}/axis", 0, INT32)],
                     T=T, Tidx=_type(INT32), keep_dims=_bool(False))
-    if dtype == F32:
-        return amax
-    return qpass.op("Cast", f"{base}/to_float32", [amax], SrcT=T, DstT=_type(F32), Truncate=_bool(False))
+    return qpass.cast(amax, F32, f"{base}/to_float32")
 
 
 def _update(qpass: GraphBuilder, history_name: str, scale_name: str, amax: TensorRef, base: str) -> TensorRef:

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tfpolicy.core import tf_names
 from tfpolicy.core.graph import Node
-from tfpolicy.core.tf_names import DT_HALF, FLOAT_DTYPES, TensorRef, bool_attr, tensor_attr, type_attr
+from tfpolicy.core.tf_names import DT_HALF, FLOAT_DTYPES, TensorRef, bool_attr, numpy_dtype, tensor_attr, type_attr
 from tfpolicy.passes.float_rules import FLOAT16_MAX, exact_cast
 
 
@@ -84,12 +84,11 @@ class CastBuilder:
         if want == DT_HALF and array.size and np.abs(array).max() > FLOAT16_MAX:
             array = np.clip(array, -FLOAT16_MAX, FLOAT16_MAX)
             self.stats.constants_clamped += 1
-        numpy_dtype = tf.dtypes.as_dtype(want).as_numpy_dtype
         copy = self.graph.add_node(
             "Const",
             f"{const.name}/tfpolicy/as_{tf_names.dtype_name(want)}",
             [f"^{c}" for c in const.control_inputs()],
-            {"dtype": type_attr(want), "value": tensor_attr(np.asarray(array, dtype=numpy_dtype))},
+            {"dtype": type_attr(want), "value": tensor_attr(np.asarray(array, dtype=numpy_dtype(want)))},
             device=const.device,
         )
         self.stats.retyped[self._layer(const)] += 1

@@ -9,7 +9,8 @@ the graph with Keras's ``unpack_int4`` ops, then::
     Embedding:                  gather packed rows -> unpack -> RealDiv(row scale) or (q - zero) * scale
 
 :class:`Int4Rewrites` is mixed into :class:`tfpolicy.passes.quantize.QuantizePass`,
-whose node helpers (``op``, ``const``, ``read``, ``scale_as``) it uses.
+whose node helpers (:class:`~tfpolicy.passes.builder.GraphBuilder`: ``op``,
+``const``, ``cast``, ``take``, ``read``, ``scale_as``) it uses.
 """
 
 from __future__ import annotations
@@ -55,14 +56,8 @@ class Int4Rewrites:
             packed_columns = shape[-1]
         else:
             packed_columns = (columns + 1) // 2
-            dims = self.op("Shape", f"{base}/packed_shape", [packed], T=I8, out_type=_type(INT32))
-            self._int8_consumers.add(dims.node)
-            leading = self.op("StridedSlice", f"{base}/leading", [
-                dims, self.const(f"{base}/begin", [0], INT32), self.const(f"{base}/end", [-1], INT32),
-                self.const(f"{base}/strides", [1], INT32)],
-                T=_type(INT32), Index=_type(INT32), begin_mask=_int(0), end_mask=_int(0), ellipsis_mask=_int(0),
-                new_axis_mask=_int(0), shrink_axis_mask=_int(0))
-            target = self._reshape_target(leading, [2 * packed_columns], base)
+            leading = self.leading_dims(packed, -1, f"{base}/packed")  # gathered rows: not a kernel read
+            target = self.reshape_target(leading, [2 * packed_columns], base)
         unpacked = self.op("Reshape", f"{base}/unpacked", [pairs, target], T=I8, Tshape=_type(INT32))
         if 2 * packed_columns == columns:
             return unpacked
@@ -88,8 +83,7 @@ class Int4Rewrites:
         T = _type(dtype)
         kernel = self.qplan.int4_kernels[site.variable_uid]
         base = f"{site.node}/tfpolicy/int4"
-        values = self.op("Cast", f"{base}/kernel", [self._unpacked_kernel(site.read_node, kernel)],
-                         SrcT=_type(INT8), DstT=T, Truncate=_bool(False))
+        values = self.cast(self._unpacked_kernel(site.read_node, kernel), dtype, f"{base}/kernel")
         product = self.op(node.op, f"{base}/matmul", [x, values], **node.attrs)
         self.graph.redefine(node, "RealDiv", [str(product), str(self.scale_as(kernel.scale_name, dtype))], {"T": T})
         self.graph.remove_if_unused(old_kernel.node)
@@ -98,24 +92,18 @@ class Int4Rewrites:
         """The kernel in ``dtype`` and its own shape, dequantized as Keras's int4 EinsumDense (and blocked Dense) do."""
         T = _type(dtype)
         base = f"{read}/tfpolicy/int4_dequantize"
-        values = self.op("Cast", f"{base}/cast", [self._unpacked_kernel(read, kernel)], SrcT=_type(INT8), DstT=T,
-                         Truncate=_bool(False))
+        values = self.cast(self._unpacked_kernel(read, kernel), dtype, f"{base}/cast")
         if kernel.block_size is None:
             value = self.op("RealDiv", f"{base}/divide", [values, self.scale_as(kernel.scale_name, dtype)], T=T)
         else:
             groups = self.const(f"{base}/groups", np.arange(kernel.rows) // kernel.block_size, INT32)
-            scales = self._take(self.scale_as(kernel.scale_name, dtype), groups, 0, dtype, f"{base}/scales")
-            zeros = self._take(self.read(kernel.zero_name), groups, 0, INT8, f"{base}/zeros_int8")
-            zeros = self.op("Cast", f"{base}/zeros", [zeros], SrcT=_type(INT8), DstT=T, Truncate=_bool(False))
+            scales = self.take(self.scale_as(kernel.scale_name, dtype), groups, 0, f"{base}/scales")
+            zeros = self.cast(self.take(self.read(kernel.zero_name), groups, 0, f"{base}/zeros_int8"), dtype, f"{base}/zeros")
             value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [values, zeros], T=T), scales], T=T)
         if tuple(kernel.shape) != (kernel.rows, kernel.columns):
             value = self.op("Reshape", f"{base}/reshape", [value, self.const(f"{base}/shape", list(kernel.shape), INT32)],
                             T=T, Tshape=_type(INT32))
         return value
-
-    def _take(self, params: TensorRef, indices: TensorRef, axis: int, dtype: int, name: str) -> TensorRef:
-        return self.op("GatherV2", name, [params, indices, self.const(f"{name}/axis", axis, INT32)],
-                       Tparams=_type(dtype), Tindices=_type(INT32), Taxis=_type(INT32), batch_dims=_int(0))
 
     def _store_int4(self, kernel: Int4Kernel, reads: list[Node], dtype: int) -> None:
         """Every read of the kernel reads the packed bytes; float consumers read it dequantized in ``dtype``."""
@@ -134,9 +122,7 @@ class Int4Rewrites:
                 elif dtype == F32:
                     self.graph.replace_input(node, position, value)
                 else:
-                    if as_float32 is None:
-                        as_float32 = self.op("Cast", f"{read.name}/tfpolicy/int4_float32", [value], SrcT=_type(dtype),
-                                             DstT=_type(F32), Truncate=_bool(False))
+                    as_float32 = as_float32 or self.cast(value, F32, f"{read.name}/tfpolicy/int4_float32")
                     self.graph.replace_input(node, position, as_float32)
 
     def _int4_gather(self, site: Site, kernel: Int4Kernel) -> None:
@@ -147,26 +133,19 @@ class Int4Rewrites:
         gathered = lambda name, dtype: self.lookup_rows(node, name, dtype, f"{base}/row_{name}")  # noqa: E731
         dtype = site.compute_dtype  # as the int8 lookup (see _gather)
         T = _type(dtype)
-        values = self.op("Cast", f"{base}/cast", [self._unpack_int4(packed, kernel.columns, f"{base}/unpack")],
-                         SrcT=_type(INT8), DstT=T, Truncate=_bool(False))
-        scales = self._as(gathered(kernel.scale_name, F32), F32, dtype, f"{base}/row_scales_cast")
+        values = self.cast(self._unpack_int4(packed, kernel.columns, f"{base}/unpack"), dtype, f"{base}/cast")
+        scales = self.cast(gathered(kernel.scale_name, F32), dtype, f"{base}/row_scales_cast")
         if kernel.block_size is None:
             scales = self.op("ExpandDims", f"{base}/row_scales_expanded", [scales, self.const(f"{base}/last", -1, INT32)],
                              T=T, Tdim=_type(INT32))
             value = self.op("RealDiv", f"{base}/divide", [values, scales], T=T)
         else:
             groups = self.const(f"{base}/groups", np.arange(kernel.columns) // kernel.block_size, INT32)
-            scales = self._take(scales, groups, -1, dtype, f"{base}/scales")
-            zeros = self._take(gathered(kernel.zero_name, INT8), groups, -1, INT8, f"{base}/zeros_int8")
-            zeros = self._as(zeros, INT8, dtype, f"{base}/zeros")
+            scales = self.take(scales, groups, -1, f"{base}/scales")
+            zeros = self.cast(self.take(gathered(kernel.zero_name, INT8), groups, -1, f"{base}/zeros_int8"), dtype, f"{base}/zeros")
             value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [values, zeros], T=T), scales], T=T)
         output_dtype = self.graph.output_dtypes(node)[0]
         if dtype == output_dtype:
             self.graph.redefine(node, "Identity", [str(value)], {"T": T})
         else:  # the lookup's consumers read its original dtype
             self.graph.redefine(node, "Cast", [str(value)], {"SrcT": T, "DstT": _type(output_dtype), "Truncate": _bool(False)})
-
-    def _as(self, ref: TensorRef, src: int, dst: int, name: str) -> TensorRef:
-        if src == dst:
-            return ref
-        return self.op("Cast", name, [ref], SrcT=_type(src), DstT=_type(dst), Truncate=_bool(False))

@@ -32,10 +32,6 @@ EPSILON = float(keras.config.epsilon())
 FLOAT8_E4M3_MAX = float(tf.dtypes.experimental.float8_e4m3fn.max)
 
 
-def numpy_dtype(dtype: int) -> np.dtype:
-    return tf.dtypes.as_dtype(dtype).as_numpy_dtype
-
-
 def build_variables(qplan: QuantPlan, read_value: Callable[[int], np.ndarray]) -> dict[str, NewVariable]:
     """Initial values of every variable the quantization adds, by name.
 

@@ -49,7 +49,6 @@ from tfpolicy.analysis.quant_sites import Float8Group, Int8Kernel, QuantPlan, Si
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
-from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.passes import PassResult
 from tfpolicy.passes.builder import CAPTURE_SCOPE, GraphBuilder  # noqa: F401  (CAPTURE_SCOPE re-exported)
@@ -64,7 +63,6 @@ from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the f
     INT32,
     NewVariable,
     build_variables,
-    numpy_dtype,
 )
 
 logger = logging.getLogger(__name__)
@@ -190,9 +188,9 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         base = f"{site.node}/tfpolicy/int8"
         contracted, free = int(np.prod(form.contracted)), int(np.prod(form.free))
         reshaped = form.prefix_rank is not None and (len(form.contracted) > 1 or len(form.free) > 1)
-        leading = self._leading_dims(inputs[0], form.prefix_rank, base) if reshaped else None  # einsum's batch dims
+        leading = self.leading_dims(inputs[0], form.prefix_rank, base) if reshaped else None  # einsum's batch dims
         if form.prefix_rank is not None and len(form.contracted) > 1:  # einsum: flatten the contracted axes
-            x = self.op("Reshape", f"{base}/flatten_input", [x, self._reshape_target(leading, [contracted], f"{base}/input")],
+            x = self.op("Reshape", f"{base}/flatten_input", [x, self.reshape_target(leading, [contracted], f"{base}/input")],
                         T=T, Tshape=_type(INT32))
         xq, input_scale = self._quantize_per_token(x, dtype)
         kernel = TensorRef(site.read_node)  # the int8 variable itself, in the op's layout
@@ -207,20 +205,19 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         product = self.op("BatchMatMulV3", f"{base}/matmul", [xq, kernel], Ta=_type(INT8), Tb=_type(INT8),
                           Tout=_type(INT32), adj_x=_bool(False), adj_y=_bool(form.transpose_kernel))
         self._int8_consumers.add(kernel.node if kernel.node != site.read_node else product.node)
-        as_float = self.op("Cast", f"{base}/cast", [product], SrcT=_type(INT32), DstT=T, Truncate=_bool(False))
+        as_float = self.cast(product, dtype, f"{base}/cast")
         scale_name = self.qplan.int8_kernels[site.variable_uid].scale_name
         kernel_scale = self.scale_as(scale_name, dtype)  # one per output channel, in the variable's frame
         if self.variables[scale_name].value.ndim != 1:
             kernel_scale = self.op("Reshape", f"{base}/kernel_scale", [kernel_scale, self.const(f"{base}/free", [free], INT32)],
                                    T=T, Tshape=_type(INT32))
         if form.scale_order is not None:
-            kernel_scale = self.op("GatherV2", f"{base}/kernel_scale_columns", [
-                kernel_scale, self.const(f"{base}/columns", list(form.scale_order), INT32), self.const(f"{base}/axis0", 0, INT32)],
-                Tparams=T, Tindices=_type(INT32), Taxis=_type(INT32), batch_dims=_int(0))
+            kernel_scale = self.take(kernel_scale, self.const(f"{base}/columns", list(form.scale_order), INT32), 0,
+                                     f"{base}/kernel_scale_columns")
         output_scale = self.op("Mul", f"{base}/output_scale", [kernel_scale, input_scale], T=T)
         if len(form.free) > 1:  # einsum: unflatten the output axes
             divided = self.op("RealDiv", f"{base}/rescale", [as_float, output_scale], T=T)
-            shape = self._reshape_target(leading, list(form.free), f"{base}/output")
+            shape = self.reshape_target(leading, list(form.free), f"{base}/output")
             self.graph.redefine(node, "Reshape", [str(divided), str(shape)], {"T": T, "Tshape": _type(INT32)})
         else:
             self.graph.redefine(node, "RealDiv", [str(as_float), str(output_scale)], {"T": T})
@@ -232,7 +229,7 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         if key not in self._tokens:
             base = f"{x.node}/tfpolicy/int8_tokens"
             values, scale = self._abs_max(x, (-1,), dtype, base)
-            q = self.op("Cast", f"{base}/to_int8", [values], SrcT=_type(dtype), DstT=_type(INT8), Truncate=_bool(False))
+            q = self.cast(values, INT8, f"{base}/to_int8")
             self._tokens[key] = (q, scale)
         return self._tokens[key]
 
@@ -252,27 +249,11 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
             self.const(f"{base}/max", INT8_RANGE, dtype)], T=T)
         return clipped, scale
 
-    def _reshape_target(self, leading: TensorRef, tail: list[int], base: str) -> TensorRef:
-        """``concat(leading, tail)``: a shape that keeps the leading (dynamic) dimensions."""
-        return self.op("ConcatV2", f"{base}/shape", [leading, self.const(f"{base}/tail", tail, INT32),
-                                                     self.const(f"{base}/axis", 0, INT32)],
-                       N=_int(2), T=_type(INT32), Tidx=_type(INT32))
-
-    def _leading_dims(self, x: TensorRef, rank: int, base: str) -> TensorRef:
-        """``shape(x)[:rank]``: x's leading (dynamic) dimensions, for a reshape target."""
-        dtype = _type(self.graph.tensor_dtype(x))
-        shape = self.op("Shape", f"{base}/shape", [x], T=dtype, out_type=_type(INT32))
-        return self.op("StridedSlice", f"{base}/leading", [
-            shape, self.const(f"{base}/begin", [0], INT32), self.const(f"{base}/end", [rank], INT32),
-            self.const(f"{base}/strides", [1], INT32)],
-            T=_type(INT32), Index=_type(INT32), begin_mask=_int(0), end_mask=_int(0), ellipsis_mask=_int(0),
-            new_axis_mask=_int(0), shrink_axis_mask=_int(0))
-
     def _dequantize(self, q: TensorRef, kernel: Int8Kernel, name: str) -> TensorRef:
         keepdims = list(self.variables[kernel.name].value.shape)
         for axis in kernel.reduced_axes:
             keepdims[axis] = 1
-        as_float = self.op("Cast", f"{name}/cast", [q], SrcT=_type(INT8), DstT=_type(F32), Truncate=_bool(False))
+        as_float = self.cast(q, F32, f"{name}/cast")
         shape = self.const(f"{name}/scale_shape", keepdims, INT32)
         scale = self.op("Reshape", f"{name}/scale", [self.read(kernel.scale_name), shape], T=_type(F32), Tshape=_type(INT32))
         return self.op("RealDiv", name, [as_float, scale], T=_type(F32))
@@ -286,9 +267,8 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         # In the layer's compute dtype, as Keras's int8 Embedding divides.
         output_dtype, dtype = self.graph.output_dtypes(node)[0], site.compute_dtype
         T = _type(dtype)
-        as_float = self.op("Cast", f"{base}/cast", [rows], SrcT=_type(INT8), DstT=T, Truncate=_bool(False))
-        if dtype != F32:
-            scales = self.op("Cast", f"{base}/row_scales_cast", [scales], SrcT=_type(F32), DstT=T, Truncate=_bool(False))
+        as_float = self.cast(rows, dtype, f"{base}/cast")
+        scales = self.cast(scales, dtype, f"{base}/row_scales_cast")
         trailing = len(self.variables[kernel.name].value.shape) - 1
         for i in range(trailing):
             axis = self.const(f"{base}/expand_axis_{i}", -1, INT32)
@@ -350,6 +330,5 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         clipped = self.op("ClipByValue", f"{base}/clip", [
             divided, self.const(f"{base}/min", -FLOAT8_E4M3_MAX, dtype),
             self.const(f"{base}/max", FLOAT8_E4M3_MAX, dtype)], T=T)
-        as_f8 = self.op("Cast", f"{base}/to_float8", [clipped], SrcT=T, DstT=_type(FLOAT8), Truncate=_bool(False))
-        back = self.op("Cast", f"{base}/from_float8", [as_f8], SrcT=_type(FLOAT8), DstT=T, Truncate=_bool(False))
+        back = self.cast(self.cast(clipped, FLOAT8, f"{base}/to_float8"), dtype, f"{base}/from_float8")
         return self.op("Mul", f"{base}/dequantize", [back, scale], T=T)
