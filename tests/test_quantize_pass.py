@@ -62,7 +62,7 @@ def _rewrite(mode: str, policy: str, block_size=None):
     qplan = quant_sites.QuantPlan(tuple(sites), (), quant_sites._int8_kernels(sites, index),
                                   quant_sites._float8_groups(sites, index, plan), (),
                                   quant_sites._int4_kernels(sites, index, plan))
-    variables = build_variables(qplan, lambda uid: KERNEL)
+    variables = build_variables(qplan, lambda uid: KERNEL, lambda uid: KERNEL.shape)
     quantize = QuantizePass("sig", graph, index, qplan, variables)
     return graph, qplan, variables, quantize
 

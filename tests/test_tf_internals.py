@@ -108,6 +108,31 @@ def test_deprecation_warnings_are_silenced_and_come_back_after_a_failure():
         logger.setLevel(level)
 
 
+def test_checkpointed_objects_walk_a_saved_models_object_graph_to_its_values(tmp_path):
+    """Node ids -> objects by TensorFlow's restore walk; an uninitialized variable saves no value; restore_object fills one."""
+    module = tf.Module()
+    module.layer = tf.Module()
+    module.layer.kernel = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+    module.empty = tf_internals.uninitialized_variable((4,), tf.bfloat16, "empty")
+    assert not module.empty.is_initialized()
+    tf.saved_model.save(module, str(tmp_path / "m"))
+    reader = tf.train.load_checkpoint(str(tmp_path / "m" / "variables" / "variables"))
+    from tensorflow.core.protobuf import trackable_object_graph_pb2  # noqa: PLC0415
+
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    found = tf_internals.checkpointed_objects(module, graph)
+    keys = {id(found[i]): [a.checkpoint_key for a in node.attributes] for i, node in enumerate(graph.nodes) if i in found}
+    assert found[0] is module
+    kernel_key, = keys[id(module.layer.kernel)]
+    empty_key, = keys[id(module.empty)]
+    saved = reader.get_variable_to_shape_map()
+    assert kernel_key in saved and empty_key not in saved  # recorded in the graph, no value written
+    target = tf_internals.uninitialized_variable((2, 3), tf.float32, "target")
+    tf_internals.restore_object(target, {"VARIABLE_VALUE": reader.get_tensor(kernel_key)})
+    np.testing.assert_array_equal(target.numpy(), module.layer.kernel.numpy())
+
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfpolicy"
 
 

@@ -19,7 +19,7 @@ from tfpolicy.analysis import index_limits, layer_index, quant_sites
 from tfpolicy.analysis.plan import Plan
 from tfpolicy.analysis.plan import plan as make_plan
 from tfpolicy.analysis.policy_map import PolicyMap, PolicyMapSource
-from tfpolicy.core import assemble, savedmodel_io, savedmodel_save, tf_names
+from tfpolicy.core import assemble, checkpoints, savedmodel_io, savedmodel_save, tf_names
 from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import run_passes
 from tfpolicy.passes.calibration import CalibrationPass
@@ -100,14 +100,21 @@ def rewrite(
     elif calibration_data is not None:
         report.warnings.append("calibration data given but no layer is float8; it was not used")
         logger.warning(report.warnings[-1])
-    current = {name: variable.numpy() for name, variable in built.new_variables.items() if name.endswith("_scale")}
-    report.quantization = quantization_rows(state.qplan, state.passes.quantized, current)  # scales only
     logger.info("saving to %s", output_path)
 
     check_data = {state.passes.calibration[0]: batches[0]} if batches and state.passes.calibration else None
 
+    def fill(staged: pathlib.Path) -> None:
+        written = checkpoints.write_values(staged, built.root, built.value_of)
+        logger.debug("wrote %d variable values", written)
+
     def check(staged: pathlib.Path) -> None:
         logger.info("serving checks: TF1 session loader, XLA compilation")
+
+        def functions() -> dict:
+            built.restore_from(staged)  # after the TF1 check: never both in memory
+            return built.signatures
+
         report.serving_checks = run_serving_checks(
             staged,
             target=target,
@@ -115,12 +122,14 @@ def rewrite(
             integer_limits=state.integer_limits,
             input_dir=input_path,
             shown_as=output_path,
-            functions=built.signatures,
+            functions=functions,
         )
 
     savedmodel_save.save_atomically(
-        built.root, built.signatures, output_path, overwrite, check=check if serving_checks else None
+        built.root, built.signatures, output_path, overwrite, fill=fill, check=check if serving_checks else None
     )
+    current = {name: variable.numpy() for name, variable in built.new_variables.items() if variable.is_initialized()}
+    report.quantization = quantization_rows(state.qplan, state.passes.quantized, _scales(state.new_variables) | current)
     report.output_bytes = _directory_bytes(output_path)
     logger.debug("wrote %s", output_path)
     return report
@@ -144,7 +153,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
     """Load, index, plan and run the passes."""
     policy = PolicyMap.load(policy_map)
     logger.info("loading %s", input_path)
-    model = savedmodel_io.load(input_path, signatures)
+    model = savedmodel_io.load(input_path, signatures, streamed=True)
     logger.info("indexing layers of %d signature(s)", len(model.signatures))
     index = layer_index.build(model)
     outside = sum(1 for _ in index.nodes_of(None))
@@ -177,7 +186,9 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
     for message in warnings:
         logger.warning(message)
     values_by_uid = {id(v): v for v in model.variables}
-    new_variables = build_variables(qplan, lambda uid: values_by_uid[uid].numpy())
+    new_variables = build_variables(
+        qplan, lambda uid: model.read(values_by_uid[uid]).numpy(), lambda uid: tuple(values_by_uid[uid].shape)
+    )
     variable_dtypes = choose_variable_dtypes(the_plan, index, skip=qplan.integer_kernels)
 
     limits = {key: index_limits.integer_limits(program, index) for key, program in model.signatures.items()}
@@ -199,7 +210,8 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
         variables_converted=_converted_rows(variable_dtypes, index),
         warnings=warnings,
         input_bytes=_directory_bytes(input_path),
-        quantization=quantization_rows(qplan, passes.quantized, {n: v.value for n, v in new_variables.items()}),
+        # A rewrite reads the scales once the kernels are written (quantized once); explain reads them now.
+        quantization=quantization_rows(qplan, passes.quantized, _scales(new_variables) if output_path is None else {}),
     )
     return _State(model, the_plan, qplan, variable_dtypes, new_variables, passes, report, limits)
 
@@ -317,6 +329,7 @@ def _calibrate(built, state: _State, report: Report, batches: Optional[list[dict
     signature = state.passes.calibration[0]
     function = state.model.signatures[signature].function
     logger.info("calibrating %d float8 layer group(s) on signature %s", len(groups), signature)
+    built.materialize()
     for done, batch in enumerate(batches, start=1):
         batch = inputs.conform(batch, function)
         inputs.check_inputs(batch, signature, function, what=f"calibration data, batch {done}")
@@ -324,6 +337,11 @@ def _calibrate(built, state: _State, report: Report, batches: Optional[list[dict
         if progress is not None:
             progress(done, len(batches))
     report.calibration_batches = len(batches)
+
+
+def _scales(new_variables: dict[str, NewVariable]) -> dict:
+    """The scale variables' values (computing a kernel's quantization if it was not yet)."""
+    return {name: spec.value for name, spec in new_variables.items() if name.endswith("_scale")}
 
 
 def _directory_bytes(path: pathlib.Path) -> int:

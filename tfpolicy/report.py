@@ -61,7 +61,7 @@ def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: Mappi
     """One :class:`QuantizedLayer` per layer with a site, a declined op or no op at all.
 
     ``values`` maps the added variables' names to their current values; only
-    the scales are read from it.
+    the scales are read from it, and a scale it lacks is left out.
     """
     layers: dict[str, QuantizedLayer] = {}
 
@@ -81,17 +81,22 @@ def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: Mappi
     for kernel in qplan.int8_kernels.values():
         entry = row(kernel.layer, "int8")
         entry.variables += [kernel.name, kernel.scale_name]
-        entry.scales[kernel.scale_name] = _range(values[kernel.scale_name])
+        _add_scale(entry, kernel.scale_name, values)
     for kernel in qplan.int4_kernels.values():
         entry = row(kernel.layer, "int4")
         entry.variables += [kernel.name, kernel.scale_name] + ([kernel.zero_name] if kernel.block_size else [])
-        entry.scales[kernel.scale_name] = _range(values[kernel.scale_name])
+        _add_scale(entry, kernel.scale_name, values)
     for group in qplan.float8_groups.values():
         entry = row(group.layer, "float8")
         entry.variables += [group.name(k) for k in ("inputs_scale", "kernel_scale", "inputs_amax_history", "kernel_amax_history")]
         for kind in ("inputs_scale", "kernel_scale"):
-            entry.scales[group.name(kind)] = _range(values[group.name(kind)])
+            _add_scale(entry, group.name(kind), values)
     return dict(sorted(layers.items()))
+
+
+def _add_scale(entry: QuantizedLayer, name: str, values: Mapping[str, Any]) -> None:
+    if name in values:  # absent until the values are made
+        entry.scales[name] = _range(values[name])
 
 
 def _range(value) -> tuple[float, float]:

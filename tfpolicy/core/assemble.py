@@ -17,13 +17,14 @@ pass fills).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 
-from tfpolicy.core import savedmodel_io, savedmodel_save, tf_internals
+from tfpolicy.core import checkpoints, savedmodel_io, savedmodel_save, tf_internals
 from tfpolicy.core.savedmodel_io import LoadedModel, SignatureProgram
 from tfpolicy.core.tf_names import TensorRef
 
@@ -42,25 +43,109 @@ class QuantizationModule(tf.Module):
         self.variables = list(variables)
 
 
+SMALL_VALUE_BYTES = 1 << 20
+"""Values at most this large (scales, histories) are kept once computed; larger ones are made when asked."""
+
+
+class LazyValues:
+    """Values computed together (a kernel's quantized copy and its scales) when first asked.
+
+    ``compute()`` returns them all; the small ones are kept, a large one is
+    returned to whoever asked and not kept, so that a rewrite never holds
+    every quantized kernel at once.
+    """
+
+    def __init__(self, compute: Callable[[], tuple[np.ndarray, ...]]) -> None:
+        self._compute = compute
+        self._kept: Optional[dict[int, np.ndarray]] = None
+
+    def get(self, index: int) -> np.ndarray:
+        if self._kept is not None and index in self._kept:
+            return self._kept[index]
+        values = self._compute()
+        self._kept = {i: v for i, v in enumerate(values) if v is not None and v.nbytes <= SMALL_VALUE_BYTES}
+        return values[index]
+
+
 @dataclasses.dataclass
 class NewVariable:
-    """A variable the rewrite creates; ``replaces`` is the uid of one it supersedes."""
+    """A variable the rewrite creates; ``replaces`` is the uid of one it supersedes.
+
+    Its shape and dtype are known at once, its value when :attr:`value` is read.
+    """
 
     name: str
-    value: np.ndarray
+    shape: tuple[int, ...]
+    numpy_dtype: np.dtype
+    make: Callable[[], np.ndarray]
     replaces: Optional[int] = None
+
+    @classmethod
+    def of(cls, name: str, value: np.ndarray, replaces: Optional[int] = None) -> "NewVariable":
+        """A variable whose value is already at hand."""
+        value = np.asarray(value)
+        return cls(name, tuple(value.shape), value.dtype, lambda: value, replaces)
+
+    @classmethod
+    def part(cls, name: str, shape, numpy_dtype, values: LazyValues, index: int,
+             replaces: Optional[int] = None) -> "NewVariable":
+        """Value ``index`` of ``values``."""
+        return cls(name, tuple(int(d) for d in shape), np.dtype(numpy_dtype), lambda: values.get(index), replaces)
+
+    @property
+    def value(self) -> np.ndarray:
+        value = np.asarray(self.make())
+        if value.shape != self.shape or value.dtype != self.numpy_dtype:
+            raise AssertionError(f"{self.name}: made {value.dtype}{list(value.shape)},"
+                                 f" declared {self.numpy_dtype}{list(self.shape)}")
+        return value
 
     @property
     def dtype(self) -> int:
-        return tf.dtypes.as_dtype(self.value.dtype).as_datatype_enum
+        return tf.dtypes.as_dtype(self.numpy_dtype).as_datatype_enum
 
 
 @dataclasses.dataclass
 class Assembled:
+    """The root to save, and what makes the values of the variables that have none yet.
+
+    Created and converted variables start without a value (no memory); the
+    values are made one at a time as the checkpoint is written
+    (:meth:`value_of`), or all at once by :meth:`materialize` when the
+    functions must run first (calibration).
+    """
+
     root: object
     signatures: dict[str, object]
     new_variables: dict[str, tf.Variable]
     calibrate: Optional[object]
+    producers: dict[int, Callable[[], tf.Tensor]]  # id(variable) -> its value
+    source: Optional[checkpoints.SavedModelCheckpoint]  # the input's, when its variables were not restored
+
+    def value_of(self, obj: object, attribute: str) -> Optional[Callable[[], tf.Tensor]]:
+        """What makes ``obj``'s value in the output checkpoint (see :func:`checkpoints.write_values`)."""
+        if isinstance(obj, tf.Variable) and obj.is_initialized():
+            return None  # tf.saved_model.save wrote it
+        if id(obj) in self.producers:
+            return self.producers[id(obj)]
+        if self.source is not None and self.source.has(obj, attribute):
+            return functools.partial(self.source.read, obj, attribute)  # kept as the input has it
+        return None
+
+    def materialize(self) -> None:
+        """Give every variable of the root its value now."""
+        for obj in tf_internals.trackable_descendants(self.root):
+            if isinstance(obj, tf.Variable) and not obj.is_initialized():
+                produce = self.value_of(obj, checkpoints.VARIABLE_VALUE)
+                if produce is not None:
+                    obj.assign(produce())
+
+    def restore_from(self, saved_model_dir) -> None:
+        """Give the variables without a value theirs from the SavedModel this root was saved to."""
+        pending = [v for v in tf_internals.trackable_descendants(self.root)
+                   if isinstance(v, tf.Variable) and not v.is_initialized()]
+        if pending:
+            checkpoints.SavedModelCheckpoint(saved_model_dir, self.root).restore(pending)
 
 
 def assemble(
@@ -71,8 +156,17 @@ def assemble(
     calibration: Optional[tuple[str, dict[str, TensorRef]]] = None,
 ) -> Assembled:
     """Build the root; ``calibration`` is (signature key, calibrate outputs) or None."""
+    producers: dict[int, Callable[[], tf.Tensor]] = {}
 
-    created = {name: tf.Variable(spec.value, name=name, trainable=False) for name, spec in new_variables.items()}
+    def deferred(shape, dtype, name: str, trainable: bool, produce: Callable[[], tf.Tensor]) -> tf.Variable:
+        variable = tf_internals.uninitialized_variable(shape, dtype, name, trainable)
+        producers[id(variable)] = produce
+        return variable
+
+    created = {
+        name: deferred(spec.shape, tf.dtypes.as_dtype(spec.numpy_dtype), name, False, functools.partial(_made, spec))
+        for name, spec in new_variables.items()
+    }
     replaced = {spec.replaces: created[name] for name, spec in new_variables.items() if spec.replaces is not None}
     converted: dict[int, tf.Variable] = {}
     kept: dict[int, tf.Variable] = {}
@@ -88,8 +182,9 @@ def assemble(
             elif uid in variable_dtypes:
                 if uid not in converted:
                     dtype = tf.dtypes.as_dtype(variable_dtypes[uid])
-                    converted[uid] = tf.Variable(
-                        tf.cast(variable, dtype), name=variable.name.split(":")[0], trainable=variable.trainable
+                    converted[uid] = deferred(
+                        variable.shape, dtype, variable.name.split(":")[0], variable.trainable,
+                        functools.partial(_cast, model, variable, dtype),
                     )
                 handles[placeholder] = converted[uid].handle
                 _retype_capture_placeholder(program, placeholder, variable_dtypes[uid])
@@ -111,7 +206,15 @@ def assemble(
         root.tfpolicy = QuantizationModule([created[name] for name in sorted(created)])
         if calibrate is not None:
             root.tfpolicy.calibrate = calibrate
-    return Assembled(root, functions, created, calibrate)
+    return Assembled(root, functions, created, calibrate, producers, model.checkpoint)
+
+
+def _made(spec: NewVariable) -> tf.Tensor:
+    return tf.constant(spec.value)
+
+
+def _cast(model: LoadedModel, variable: tf.Variable, dtype: tf.DType) -> tf.Tensor:
+    return tf.cast(model.read(variable), dtype)
 
 
 def _retype_capture_placeholder(program: SignatureProgram, placeholder: str, dtype: int, shape=None) -> None:

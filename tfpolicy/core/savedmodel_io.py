@@ -24,7 +24,7 @@ import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 
-from tfpolicy.core import tf_internals, tf_names
+from tfpolicy.core import checkpoints, tf_internals, tf_names
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.errors import SavedModelError, cause_line
 
@@ -58,10 +58,19 @@ class SignatureProgram:
 
 @dataclasses.dataclass
 class LoadedModel:
+    """A loaded SavedModel; with ``checkpoint`` set, its variables hold no values (see :func:`load`)."""
+
     path: pathlib.Path
     root: object
     signatures: dict[str, SignatureProgram]
     variables: list[tf.Variable]
+    checkpoint: Optional[checkpoints.SavedModelCheckpoint] = None
+
+    def read(self, variable: tf.Variable) -> tf.Tensor:
+        """``variable``'s value: from the checkpoint, when the variables were not restored."""
+        if self.checkpoint is not None and self.checkpoint.has(variable):
+            return self.checkpoint.read(variable)
+        return variable.read_value()
 
 
 # ---------------------------------------------------------------------------
@@ -80,13 +89,25 @@ def check_input_dir(path: pathlib.Path) -> None:
         )
 
 
-def load(path: pathlib.Path, signatures: Optional[Sequence[str]] = None) -> LoadedModel:
+def load(path: pathlib.Path, signatures: Optional[Sequence[str]] = None, *, streamed: bool = False) -> LoadedModel:
+    """The SavedModel at ``path``, its signatures inlined into editable graphs.
+
+    ``streamed`` loads it without restoring the checkpoint: the variables
+    take no memory, and :meth:`LoadedModel.read` reads one from disk when it
+    is needed. A checkpoint whose keys the loaded objects do not all account
+    for is restored as usual.
+    """
     check_input_dir(path)
-    try:
-        root = tf.saved_model.load(str(path))
-    except Exception as exc:  # TensorFlow raises many types for a broken model
-        first = cause_line(str(exc)) if str(exc).strip() else type(exc).__name__
-        raise SavedModelError(f"cannot load SavedModel '{path}': {first}") from exc
+    root = _load_root(path, streamed)
+    checkpoint = None
+    if streamed and checkpoints.has_checkpoint(path):
+        try:
+            checkpoint = checkpoints.SavedModelCheckpoint(path, root)
+        except Exception as exc:  # noqa: BLE001 - the usual restore then names what is wrong
+            logger.debug("cannot read %s's checkpoint by object (%s); restoring it", path, exc)
+        if checkpoint is None or checkpoint.unmatched:
+            logger.debug("restoring %s as a whole: checkpoint keys without an object", path)
+            root, checkpoint = _load_root(path, streamed=False), None
     available = list(root.signatures.keys())
     if not available:
         raise SavedModelError(f"SavedModel '{path}' has no signatures to rewrite")
@@ -103,7 +124,16 @@ def load(path: pathlib.Path, signatures: Optional[Sequence[str]] = None) -> Load
     variables = _all_variables(root)
     by_handle = {id(v.handle): v for v in variables}
     programs = {key: _load_signature(key, root.signatures[key], by_handle) for key in keys}
-    return LoadedModel(path, root, programs, variables)
+    return LoadedModel(path, root, programs, variables, checkpoint)
+
+
+def _load_root(path: pathlib.Path, streamed: bool) -> object:
+    options = tf.saved_model.LoadOptions(experimental_skip_checkpoint=streamed)
+    try:
+        return tf.saved_model.load(str(path), options=options)
+    except Exception as exc:  # TensorFlow raises many types for a broken model
+        first = cause_line(str(exc)) if str(exc).strip() else type(exc).__name__
+        raise SavedModelError(f"cannot load SavedModel '{path}': {first}") from exc
 
 
 def _all_variables(root: object) -> list[tf.Variable]:

@@ -188,11 +188,14 @@ def save_atomically(
     output_dir: pathlib.Path,
     overwrite: bool,
     check: Optional[Callable[[pathlib.Path], None]] = None,
+    fill: Optional[Callable[[pathlib.Path], None]] = None,
 ) -> None:
     """Save into a temporary directory beside ``output_dir`` and rename it into place.
 
-    ``check(staged_dir)``, when given, runs on the saved copy before the rename;
-    if it raises, nothing is left behind.
+    ``fill(staged_dir)``, when given, runs right after the save (it writes the
+    values of variables that had none, see :mod:`tfpolicy.core.checkpoints`);
+    ``check(staged_dir)`` runs on the finished copy before the rename. If
+    either raises, nothing is left behind.
     """
     parent = output_dir.resolve().parent
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tfpolicy-tmp-", dir=parent))
@@ -201,6 +204,8 @@ def save_atomically(
         # ops) would be traced with captures of the original graph, which fail.
         options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
         tf.saved_model.save(root, str(tmp), signatures=signatures, options=options)
+        if fill is not None:
+            fill(tmp)
         if check is not None:
             check(tmp)
         if output_dir.exists():

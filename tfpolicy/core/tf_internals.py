@@ -13,11 +13,12 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, kernel_def_pb2, op_def_pb2
-from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
+from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, trackable_object_graph_pb2
 from tensorflow.python.checkpoint import trackable_view
 from tensorflow.python.eager import wrap_function
 from tensorflow.python.framework import func_graph, kernels, op_def_registry
 from tensorflow.python.grappler import tf_optimizer
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import asset, autotrackable, resource
 from tensorflow.python.util import deprecation, nest
 
@@ -132,3 +133,46 @@ def concrete_function(graph: Any, inputs: Sequence[Any]) -> Any:
     function._num_positional_args = len(inputs)  # noqa: SLF001
     function._arg_keywords = [tensor.op.name for tensor in inputs]  # noqa: SLF001
     return function
+
+
+def checkpointed_objects(root: object, object_graph: trackable_object_graph_pb2.TrackableObjectGraph) -> dict[int, Any]:
+    """Node id of a checkpoint's object graph -> the object of ``root``'s graph it names.
+
+    The walk TensorFlow's own restore makes: from the root (node 0), each
+    child by its local name (``Trackable._lookup_dependency``). A SavedModel's
+    checkpoint names its variables by node, so this is how a loaded object
+    finds its value's key; no public API says which key belongs to which
+    object. Children that are not found (functions, signature maps) are left out.
+    """
+    found = {0: root}
+    queue = [0]
+    for node_id in queue:
+        parent = found[node_id]
+        for child in object_graph.nodes[node_id].children:
+            if child.node_id in found:
+                continue
+            obj = parent._lookup_dependency(child.local_name)  # noqa: SLF001
+            if obj is not None:
+                found[child.node_id] = obj
+                queue.append(child.node_id)
+    return found
+
+
+def uninitialized_variable(shape: Any, dtype: tf.DType, name: str, trainable: bool = False) -> tf.Variable:
+    """A variable with a shape and a dtype and no value, so no memory.
+
+    ``tf.Variable`` needs an initial value; this is the class
+    ``tf.saved_model.load`` creates when it skips the checkpoint. Saved, it
+    enters the object graph and no value is written (the checkpoint's values
+    are then written by :mod:`tfpolicy.core.checkpoints`).
+    """
+    return resource_variable_ops.UninitializedVariable(shape=shape, dtype=dtype, name=name, trainable=trainable)
+
+
+def restore_object(obj: Any, tensors: Mapping[str, Any]) -> None:
+    """Give ``obj`` (a variable, a table) its checkpointed values, by attribute name.
+
+    ``Trackable._restore_from_tensors`` is what a checkpoint restore calls
+    per object; there is no public per-object restore.
+    """
+    obj._restore_from_tensors(dict(tensors))  # noqa: SLF001

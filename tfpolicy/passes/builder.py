@@ -80,7 +80,7 @@ class GraphBuilder:
                 "dtype": type_attr(DT_RESOURCE),
                 "shape": shape_attr([]),
                 "_handle_dtypes": type_list_attr([variable.dtype]),
-                "_handle_shapes": shape_list_attr([variable.value.shape]),
+                "_handle_shapes": shape_list_attr([variable.shape]),
             })
             self.new_captures[placeholder] = name
         return placeholder

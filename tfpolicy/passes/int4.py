@@ -70,7 +70,7 @@ class Int4Rewrites:
     def _unpacked_kernel(self, read: str, kernel: Int4Kernel) -> TensorRef:
         """The int8 values ``(rows, columns)`` of an int4 kernel read, once per read."""
         if read not in self._unpacked:
-            packed_shape = tuple(self.variables[kernel.name].value.shape)
+            packed_shape = tuple(self.variables[kernel.name].shape)
             self._unpacked[read] = self._unpack_int4(TensorRef(read), kernel.columns, f"{read}/tfpolicy/int4", packed_shape)
         return self._unpacked[read]
 

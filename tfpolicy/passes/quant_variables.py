@@ -9,6 +9,7 @@ for the quantize pass to read and :mod:`tfpolicy.core.assemble` to create.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import keras
@@ -16,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpolicy.analysis.quant_sites import Int4Kernel, QuantPlan
-from tfpolicy.core.assemble import NewVariable
+from tfpolicy.core.assemble import LazyValues, NewVariable
 from tfpolicy.core.tf_names import DT_FLOAT, DT_FLOAT8_E4M3FN, DT_INT8, DT_INT32
 
 FLOAT8 = DT_FLOAT8_E4M3FN
@@ -32,38 +33,66 @@ EPSILON = float(keras.config.epsilon())
 FLOAT8_E4M3_MAX = float(tf.dtypes.experimental.float8_e4m3fn.max)
 
 
-def build_variables(qplan: QuantPlan, read_value: Callable[[int], np.ndarray]) -> dict[str, NewVariable]:
-    """Initial values of every variable the quantization adds, by name.
+def build_variables(
+    qplan: QuantPlan, read_value: Callable[[int], np.ndarray], shape_of: Callable[[int], tuple[int, ...]]
+) -> dict[str, NewVariable]:
+    """Every variable the quantization adds, by name, with its shape and dtype now and its value when asked.
 
     int8: the kernel's int8 copy and its per-output-channel ``kernel_scale``
     (the reduced axes squeezed out: ``(units,)`` for a Dense kernel, as Keras).
     float8: ``inputs_scale`` 1 and a zero ``inputs_amax_history`` (Keras's
     initial state until calibration); the kernel's scale and history from
-    its weights (``history[0] = max|W|``).
+    its weights (``history[0] = max|W|``). ``read_value(uid)`` is called for
+    a kernel only when one of its values is read (see :class:`LazyValues`).
     """
     variables: dict[str, NewVariable] = {}
     for kernel in sorted(qplan.int8_kernels.values(), key=lambda k: k.name):
-        q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
-        variables[kernel.name] = NewVariable(kernel.name, q, replaces=kernel.uid)
-        variables[kernel.scale_name] = NewVariable(kernel.scale_name, np.squeeze(scale, axis=kernel.reduced_axes))
+        shape = shape_of(kernel.uid)
+        values = LazyValues(functools.partial(_int8_values, read_value, kernel))
+        kept = [d for axis, d in enumerate(shape) if axis not in kernel.reduced_axes]
+        variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid)
+        variables[kernel.scale_name] = NewVariable.part(kernel.scale_name, kept, np.float32, values, 1)
     for kernel in sorted(qplan.int4_kernels.values(), key=lambda k: k.name):
-        packed, scale, zero = int4_values(read_value(kernel.uid), kernel)
-        variables[kernel.name] = NewVariable(kernel.name, packed, replaces=kernel.uid)
-        variables[kernel.scale_name] = NewVariable(kernel.scale_name, scale)
-        if zero is not None:
-            variables[kernel.zero_name] = NewVariable(kernel.zero_name, zero)
+        packed, scale = int4_shapes(kernel)
+        values = LazyValues(lambda kernel=kernel: int4_values(read_value(kernel.uid), kernel))
+        variables[kernel.name] = NewVariable.part(kernel.name, packed, np.int8, values, 0, replaces=kernel.uid)
+        variables[kernel.scale_name] = NewVariable.part(kernel.scale_name, scale, np.float32, values, 1)
+        if kernel.block_size is not None:
+            variables[kernel.zero_name] = NewVariable.part(kernel.zero_name, scale, np.int8, values, 2)
     for group in sorted(qplan.float8_groups.values(), key=lambda g: g.prefix):
-        amax = float(np.max(np.abs(read_value(group.kernel_uid))))
-        zeros = np.zeros((group.history_length,), np.float32)
-        variables[group.name("inputs_scale")] = NewVariable(group.name("inputs_scale"), np.float32(1.0).reshape(()))
-        variables[group.name("kernel_scale")] = NewVariable(
-            group.name("kernel_scale"), np.asarray(keras.quantizers.compute_float8_scale(
-                np.float32(amax), np.float32(1.0), np.float32(FLOAT8_E4M3_MAX)), np.float32).reshape(()))
-        variables[group.name("inputs_amax_history")] = NewVariable(group.name("inputs_amax_history"), zeros)
-        variables[group.name("kernel_amax_history")] = NewVariable(
-            group.name("kernel_amax_history"),
-            np.asarray(keras.quantizers.compute_float8_amax_history(np.float32([amax]), zeros), np.float32))
+        values = LazyValues(functools.partial(_float8_values, read_value, group))
+        variables[group.name("inputs_scale")] = NewVariable.of(group.name("inputs_scale"), np.float32(1.0).reshape(()))
+        variables[group.name("kernel_scale")] = NewVariable.part(group.name("kernel_scale"), (), np.float32, values, 0)
+        variables[group.name("inputs_amax_history")] = NewVariable.of(
+            group.name("inputs_amax_history"), np.zeros((group.history_length,), np.float32))
+        variables[group.name("kernel_amax_history")] = NewVariable.part(
+            group.name("kernel_amax_history"), (group.history_length,), np.float32, values, 1)
     return variables
+
+
+def _int8_values(read_value, kernel) -> tuple[np.ndarray, np.ndarray]:
+    """``(int8 kernel, scale)`` by Keras's ``abs_max_quantize``."""
+    q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
+    return q, np.squeeze(scale, axis=kernel.reduced_axes)
+
+
+def _float8_values(read_value, group) -> tuple[np.ndarray, np.ndarray]:
+    """``(kernel scale, kernel amax history)`` from the kernel's ``max|W|``."""
+    amax = float(np.max(np.abs(read_value(group.kernel_uid))))
+    zeros = np.zeros((group.history_length,), np.float32)
+    scale = keras.quantizers.compute_float8_scale(np.float32(amax), np.float32(1.0), np.float32(FLOAT8_E4M3_MAX))
+    history = keras.quantizers.compute_float8_amax_history(np.float32([amax]), zeros)
+    return np.asarray(scale, np.float32).reshape(()), np.asarray(history, np.float32)
+
+
+def int4_shapes(kernel: Int4Kernel) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(packed kernel shape, scale and zero point shape)``, as :func:`int4_values` makes them."""
+    packed = (kernel.rows, (kernel.columns + 1) // 2)
+    if kernel.block_size is None:
+        return packed, (kernel.rows,) if kernel.embedding else (kernel.columns,)
+    if kernel.embedding:
+        return packed, (kernel.rows, -(-kernel.columns // kernel.block_size))
+    return packed, (-(-kernel.rows // kernel.block_size), kernel.columns)
 
 
 INT4_RANGE = (-8, 7)

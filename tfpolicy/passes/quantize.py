@@ -208,7 +208,7 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         as_float = self.cast(product, dtype, f"{base}/cast")
         scale_name = self.qplan.int8_kernels[site.variable_uid].scale_name
         kernel_scale = self.scale_as(scale_name, dtype)  # one per output channel, in the variable's frame
-        if self.variables[scale_name].value.ndim != 1:
+        if len(self.variables[scale_name].shape) != 1:
             kernel_scale = self.op("Reshape", f"{base}/kernel_scale", [kernel_scale, self.const(f"{base}/free", [free], INT32)],
                                    T=T, Tshape=_type(INT32))
         if form.scale_order is not None:
@@ -250,7 +250,7 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         return clipped, scale
 
     def _dequantize(self, q: TensorRef, kernel: Int8Kernel, name: str) -> TensorRef:
-        keepdims = list(self.variables[kernel.name].value.shape)
+        keepdims = list(self.variables[kernel.name].shape)
         for axis in kernel.reduced_axes:
             keepdims[axis] = 1
         as_float = self.cast(q, F32, f"{name}/cast")
@@ -269,7 +269,7 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         T = _type(dtype)
         as_float = self.cast(rows, dtype, f"{base}/cast")
         scales = self.cast(scales, dtype, f"{base}/row_scales_cast")
-        trailing = len(self.variables[kernel.name].value.shape) - 1
+        trailing = len(self.variables[kernel.name].shape) - 1
         for i in range(trailing):
             axis = self.const(f"{base}/expand_axis_{i}", -1, INT32)
             scales = self.op("ExpandDims", f"{base}/row_scales_expanded_{i}", [scales, axis], T=T, Tdim=_type(INT32))

@@ -23,7 +23,7 @@ import logging
 import pathlib
 import re
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -141,7 +141,7 @@ def run(
     integer_limits: Optional[Mapping[str, Mapping[str, int]]] = None,
     input_dir: Optional[pathlib.Path] = None,
     shown_as: Optional[pathlib.Path] = None,
-    functions: Optional[Mapping[str, Any]] = None,
+    functions: Optional[Mapping[str, Any] | Callable[[], Mapping[str, Any]]] = None,
 ) -> ServingChecks:
     """Both checks on the SavedModel at ``saved_model_dir``.
 
@@ -154,6 +154,8 @@ def run(
     run on a staged copy. ``functions`` (signature key -> the concrete
     functions just saved there) are lowered to XLA as they are, which spares a
     second load of the SavedModel; the TF1 check still loads it from disk.
+    ``functions`` may be a callable giving them, called after the TF1 check
+    (so that the two checks never hold the variables at the same time).
 
     Raises :class:`ServingCheckError` when the TF1 loader cannot load or run a
     signature, and, for ``target="tpu"``, when a signature does not compile
@@ -165,6 +167,8 @@ def run(
     tf1, digests = _run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as)
     tf1_seconds = time.monotonic() - started
     started = time.monotonic()
+    if callable(functions):
+        functions = functions()
     if functions is None:
         loaded = tf.saved_model.load(str(saved_model_dir))
         functions = loaded.signatures

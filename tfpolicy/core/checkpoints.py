@@ -1,0 +1,194 @@
+"""Variable values streamed, one tensor at a time, between the input's checkpoint and the output's.
+
+A SavedModel keeps its variables' values in a checkpoint (``variables/variables.index``
+and its data files), each under the key its object's node in the object graph gives
+it (``variables/3/.ATTRIBUTES/VARIABLE_VALUE``). No step of a rewrite needs more than
+one value at a time, so the rewrite does not hold them all::
+
+    input   tf.saved_model.load(skip the checkpoint)    variables with a shape and a dtype, no memory
+            SavedModelCheckpoint.read(variable)         one tensor: RestoreV2 of the variable's key
+    output  tf.saved_model.save(root)                   graph, functions, object graph; variables
+                                                        without a value are not written
+            write_values(dir, root, value_of)           each missing value, a shard of them at a
+                                                        time (SaveV2), merged (MergeV2Checkpoints)
+                                                        into variables/variables
+
+Peak memory is TensorFlow's own plus about one shard (:data:`SHARD_BYTES`) and the
+tensors that produce its largest value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pathlib
+import shutil
+from typing import Any, Callable, Iterable, Optional
+
+import tensorflow as tf
+from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+from tfpolicy.core import tf_internals
+from tfpolicy.errors import SavedModelError, cause_line
+
+logger = logging.getLogger(__name__)
+
+VARIABLE_VALUE = "VARIABLE_VALUE"
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+SHARD_BYTES = 32 << 20
+"""Values are written in shards of about this many bytes (one value may exceed it)."""
+
+ValueOf = Callable[[Any, str], Optional[Callable[[], tf.Tensor]]]
+"""(object, attribute) -> what makes its value, or None: the value ``tf.saved_model.save`` wrote."""
+
+
+def checkpoint_prefix(saved_model_dir: pathlib.Path) -> str:
+    return str(pathlib.Path(saved_model_dir) / "variables" / "variables")
+
+
+def has_checkpoint(saved_model_dir: pathlib.Path) -> bool:
+    return os.path.exists(checkpoint_prefix(saved_model_dir) + ".index")
+
+
+class SavedModelCheckpoint:
+    """The checkpoint of the SavedModel at ``saved_model_dir``, keyed by the objects of ``root``.
+
+    ``root`` is that SavedModel loaded (or the root it was saved from): each of its
+    checkpointed objects is found by TensorFlow's own walk of the object graph.
+    """
+
+    def __init__(self, saved_model_dir: pathlib.Path, root: object) -> None:
+        self.prefix = checkpoint_prefix(saved_model_dir)
+        reader = tf.train.load_checkpoint(self.prefix)
+        self.dtypes = reader.get_variable_to_dtype_map()
+        graph = trackable_object_graph_pb2.TrackableObjectGraph()
+        graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
+        self.object_graph = graph
+        self._keys: dict[int, dict[str, str]] = {}
+        self._objects: dict[int, Any] = {}
+        self.unmatched: list[str] = []  # keys of objects the walk did not reach
+        found = tf_internals.checkpointed_objects(root, graph)
+        for node_id, node in enumerate(graph.nodes):
+            keys = {a.name: a.checkpoint_key for a in node.attributes}
+            if node_id not in found:
+                self.unmatched += keys.values()
+            elif keys:
+                self._keys[id(found[node_id])] = keys
+                self._objects[id(found[node_id])] = found[node_id]
+
+    def objects(self) -> list[Any]:
+        """Every object of ``root`` with a value in the checkpoint."""
+        return list(self._objects.values())
+
+    def keys_of(self, obj: Any) -> dict[str, str]:
+        """Attribute name -> checkpoint key, for ``obj`` (empty when it has none)."""
+        return self._keys.get(id(obj), {})
+
+    def has(self, obj: Any, attribute: str = VARIABLE_VALUE) -> bool:
+        key = self.keys_of(obj).get(attribute)
+        return key is not None and key in self.dtypes
+
+    def read(self, obj: Any, attribute: str = VARIABLE_VALUE) -> tf.Tensor:
+        """One value, read from disk now (only its bytes are read)."""
+        return saved_value(self, self._keys[id(obj)][attribute])
+
+    def restore(self, objects: Iterable[Any]) -> None:
+        """Give each of ``objects`` its values from the checkpoint, one object at a time."""
+        for obj in objects:
+            keys = self.keys_of(obj)
+            if keys and all(key in self.dtypes for key in keys.values()):
+                tf_internals.restore_object(obj, {name: self.read(obj, name) for name in keys})
+
+
+def write_values(
+    saved_model_dir: pathlib.Path,
+    root: object,
+    value_of: ValueOf,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> int:
+    """Complete the checkpoint ``tf.saved_model.save(root, saved_model_dir)`` wrote.
+
+    Every attribute of the object graph whose ``value_of(object, attribute)``
+    gives a producer is written with the producer's tensor, in place of what
+    the save wrote for it, if anything; every other keeps the saved value,
+    which must exist. Returns the number of values written.
+    """
+    saved = SavedModelCheckpoint(saved_model_dir, root)
+    planned: list[tuple[str, Callable[[], tf.Tensor]]] = []
+    kept: list[str] = [OBJECT_GRAPH_KEY]
+    found = tf_internals.checkpointed_objects(root, saved.object_graph)
+    for node_id, node in enumerate(saved.object_graph.nodes):
+        obj = found.get(node_id)
+        for attribute in node.attributes:
+            produce = value_of(obj, attribute.name) if obj is not None else None
+            if produce is not None:
+                planned.append((attribute.checkpoint_key, produce))
+            elif attribute.checkpoint_key in saved.dtypes:
+                kept.append(attribute.checkpoint_key)
+            else:
+                raise RuntimeError(f"no value to write for checkpoint key {attribute.checkpoint_key!r}")
+    if not planned:
+        return 0
+    logger.debug("writing %d values, %d kept as saved", len(planned), len(kept) - 1)
+    variables_dir = pathlib.Path(saved.prefix).parent
+    parts_dir = variables_dir / "tfpolicy-parts"
+    parts_dir.mkdir()
+    prefixes = [str(parts_dir / "part-0")]
+    _save(prefixes[0], kept, [saved_value(saved, key) for key in kept])
+    for name in os.listdir(variables_dir):
+        if name.startswith("variables."):
+            os.remove(variables_dir / name)
+    names: list[str] = []
+    tensors: list[tf.Tensor] = []
+    pending = 0
+    for done, (key, produce) in enumerate(planned, start=1):
+        tensor = produce()
+        names.append(key)
+        tensors.append(tensor)
+        pending += tensor.shape.num_elements() * tensor.dtype.size
+        if pending >= SHARD_BYTES or done == len(planned):
+            prefixes.append(str(parts_dir / f"part-{len(prefixes)}"))
+            _save(prefixes[-1], names, tensors)
+            names, tensors, pending = [], [], 0
+            _release_freed_memory()
+            logger.debug("wrote shard %d (%d of %d values)", len(prefixes) - 1, done, len(planned))
+        if progress is not None:
+            progress(done, len(planned))
+    tf.raw_ops.MergeV2Checkpoints(
+        checkpoint_prefixes=prefixes, destination_prefix=saved.prefix, delete_old_dirs=True
+    )
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    logger.debug("wrote %d values in %d shards to %s", len(planned), len(prefixes) - 1, saved.prefix)
+    return len(planned)
+
+
+def saved_value(checkpoint: SavedModelCheckpoint, key: str) -> tf.Tensor:
+    try:
+        with tf.device("CPU:0"):
+            return tf.raw_ops.RestoreV2(
+                prefix=checkpoint.prefix, tensor_names=[key], shape_and_slices=[""], dtypes=[checkpoint.dtypes[key]]
+            )[0]
+    except tf.errors.OpError as exc:
+        raise SavedModelError(f"cannot read '{key}' from checkpoint '{checkpoint.prefix}': {cause_line(exc.message)}") from exc
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the last shard back to the system (glibc keeps it otherwise)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return None
+
+
+_LIBC = _libc()
+
+
+def _save(prefix: str, names: list[str], tensors: list[tf.Tensor]) -> None:
+    with tf.device("CPU:0"):
+        tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
