@@ -42,6 +42,6 @@ def test_explain_shows_quantized_layers_without_writing(zoo, tmp_path):
     report = tfpolicy.explain(zoo.get("keras3_mlp").saved_model_dir, {"policy_map": {"head": "int8_from_mixed_bfloat16"}})
     row = {r.path: r for r in report.plan.rows()}["head"]
     assert row.quantization_mode == "int8"
-    assert report.change(row).startswith("int8: 2 ops quantized (kernel_scale ")  # serve + serving_default
+    assert report.change(row).startswith("int8: 1 op quantized (kernel_scale ")  # serve is serving_default, rewritten once
     assert report.quantization["head"].variables == ["head/kernel", "head/kernel_scale"]
     assert report.output_dir is None

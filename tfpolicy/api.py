@@ -72,8 +72,10 @@ def rewrite(
     ``calibration_data`` (float8 policies) is an ``.npz`` path (cut into
     batches of ``calibration_batch_size`` rows), one dict of arrays, an iterable
     of ``{input name: batch}`` dicts or a ``tf.data.Dataset``, for the
-    ``serving_default`` signature; at most ``calibration_batches`` batches are
-    run, and ``calibration_progress(done, total)`` is called after each.
+    ``serving_default`` signature. Batches are read one at a time as they
+    run (the first before any model work); at most ``calibration_batches``
+    are run, and ``calibration_progress(done, total)`` is called after each
+    (``total`` is None when the data's length is unknown).
 
     ``target`` ("gpu", "tpu", "cpu") refuses dtypes the target cannot run (a
     TPU: float16, float8, float64). Unless ``serving_checks=False``, the saved
@@ -102,7 +104,7 @@ def rewrite(
         logger.warning(report.warnings[-1])
     logger.info("saving to %s", output_path)
 
-    check_data = {state.passes.calibration[0]: batches[0]} if batches and state.passes.calibration else None
+    check_data = {state.passes.calibration[0]: batches.first} if batches and state.passes.calibration else None
 
     def fill(staged: pathlib.Path) -> None:
         written = checkpoints.write_values(staged, built.root, built.value_of)
@@ -192,6 +194,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
     variable_dtypes = choose_variable_dtypes(the_plan, index, skip=qplan.integer_kernels)
 
     limits = {key: index_limits.integer_limits(program, index) for key, program in model.signatures.items()}
+    limits.update({alias: limits[key] for alias, key in model.aliases.items()})
     passes = _run_passes(model, index, the_plan, qplan, variable_dtypes, new_variables)
     clamped = sum(s.constants_clamped for s in passes.signature_reports)
     if clamped:
@@ -258,6 +261,10 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
             done.quantized[layer] = done.quantized.get(layer, 0) + n
         done.signature_reports.append(
             _signature_report(program, float_results, quantize_results[0], done.retyped, done.declined))
+    rows = {row.key: row for row in done.signature_reports}
+    for alias, key in model.aliases.items():
+        done.signature_reports.append(dataclasses.replace(rows[key], key=alias, same_as=key))
+    done.signature_reports.sort(key=lambda row: row.key)
     return done
 
 
@@ -311,14 +318,14 @@ def _calibration_signature(qplan: quant_sites.QuantPlan) -> Optional[str]:
     return CALIBRATION_SIGNATURE if CALIBRATION_SIGNATURE in keys else (min(keys) if keys else None)
 
 
-def _calibration_batches(data, batch_size: int, max_batches: Optional[int]) -> Optional[list[dict]]:
-    """The calibration batches as numpy dicts, read before any model work (fails fast)."""
-    if data is None:
-        return None
-    return inputs.batches_from(data, what="calibration data", batch_size=batch_size, max_batches=max_batches)
+def _calibration_batches(data, batch_size: int, max_batches: Optional[int]) -> Optional[inputs.BatchStream]:
+    """The calibration batches, streamed; the first is read before any model work (fails fast)."""
+    if data is None or isinstance(data, inputs.BatchStream):
+        return data
+    return inputs.BatchStream(data, what="calibration data", batch_size=batch_size, max_batches=max_batches)
 
 
-def _calibrate(built, state: _State, report: Report, batches: Optional[list[dict]], progress) -> None:
+def _calibrate(built, state: _State, report: Report, batches: Optional[inputs.BatchStream], progress) -> None:
     groups = sorted(g.prefix for g in state.qplan.float8_groups.values())
     if batches is None:
         report.warnings.append(
@@ -335,8 +342,8 @@ def _calibrate(built, state: _State, report: Report, batches: Optional[list[dict
         inputs.check_inputs(batch, signature, function, what=f"calibration data, batch {done}")
         built.calibrate(**{name: tf.constant(value) for name, value in batch.items()})
         if progress is not None:
-            progress(done, len(batches))
-    report.calibration_batches = len(batches)
+            progress(done, batches.total)
+    report.calibration_batches = done
 
 
 def _scales(new_variables: dict[str, NewVariable]) -> dict:

@@ -27,6 +27,7 @@ class SignatureReport:
     functions_rewritten: int = 0
     ops_quantized: int = 0
     constants_clamped: int = 0  # float16 constants clamped to +-65504 instead of inf
+    same_as: str = ""  # the signature computing the same, rewritten once for both (Keras's serve/serving_default)
 
 
 @dataclasses.dataclass
@@ -207,6 +208,7 @@ class Report:
                 f"signature {s.key}: {s.ops_retyped} ops retyped, {s.casts_inserted} casts inserted,"
                 f" {s.casts_reused} reused, {s.casts_folded} folded"
                 + (f", {s.ops_quantized} ops quantized" if s.ops_quantized else "")
+                + (f" (the same function as {s.same_as}, rewritten once)" if s.same_as else "")
             )
         for path, quantized in self.quantization.items():
             if quantized.variables:

@@ -256,18 +256,18 @@ def _fail_validation(validation: ValidationReport) -> None:
 
 
 def _calibration_batches():
-    """The --calibration_data batches (read now, so a bad file fails first) and a progress bar."""
+    """The --calibration_data batches (the first read now, so a bad file fails first) and a progress bar."""
     if FLAGS.calibration_data is None:
         return None, None
     from tfpolicy.validation import inputs  # noqa: PLC0415
 
-    batches = inputs.batches_from(FLAGS.calibration_data, what="calibration data",
-                                  batch_size=FLAGS.calibration_batch_size, max_batches=FLAGS.calibration_batches)
+    batches = inputs.BatchStream(FLAGS.calibration_data, what="calibration data",
+                                 batch_size=FLAGS.calibration_batch_size, max_batches=FLAGS.calibration_batches)
     if FLAGS.quiet or not sys.stderr.isatty():
         return batches, None
     import keras  # noqa: PLC0415
 
-    bar = keras.utils.Progbar(len(batches), unit_name="batch")
+    bar = keras.utils.Progbar(batches.total, unit_name="batch")
     return batches, lambda done, total: bar.update(done)
 
 

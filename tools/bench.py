@@ -1,9 +1,10 @@
 """Benchmark tfpolicy.rewrite against a TensorFlow-only load/save floor on a transformer encoder.
 
-    python tools/bench.py [--depth 12] [--width 768] [--heads 12] [--seq 128]
-                          [--ffn 3072] [--depths 2,4,8,12] [--workdir DIR]
-                          [--json OUT] [--repeat N] [--profile DEPTH]
-                          [--policy mixed_bfloat16] [--no_serving_checks]
+    python tools/bench.py [--depth 12] [--depths 2,4,8,12] [--large]
+                          [--policy mixed_bfloat16,int8_from_mixed_bfloat16,float8_from_mixed_bfloat16]
+                          [--routes default,alone] [--calibration 8] [--no_peer]
+                          [--width 768] [--heads 12] [--seq 128] [--ffn 3072]
+                          [--workdir DIR] [--json OUT] [--markdown] [--repeat N] [--profile DEPTH]
                           [--serving float32,int8_from_float32,...]
 
 For each depth in ``--depths`` (plus ``--depth``) it builds, once and in its own
@@ -17,25 +18,30 @@ with ``model.export(dir)``::
                  -> + residual -> LayerNormalization "block_{i}_ln2"
     Dense "head" (width)
 
-(about 85M parameters at depth 12, width 768). Then, each in a fresh
+(about 85M parameters at depth 12, width 768; ``--large`` adds depth 24,
+width 2048, ffn 8192: 1.2B parameters, 4.8 GB). Then, each in a fresh
 subprocess so that peak RSS belongs to one measurement, it measures the wall
-time and peak RSS (``ru_maxrss`` of the child) of
+time and peak RSS of these routes:
 
   floor     ``tf.saved_model.load(dir)`` + ``tf.saved_model.save(loaded, out,
             signatures=loaded.signatures)``, TensorFlow alone;
-  tfpolicy  ``tfpolicy.rewrite(dir, out, {"default_policy": POLICY})``, POLICY
-            from ``--policy`` (default ``mixed_bfloat16``; e.g.
-            ``int8_from_mixed_bfloat16`` or ``float8_from_mixed_bfloat16`` to
-            time the quantization, float8 without calibration), with the
-            serving checks unless ``--no_serving_checks``.
+  POLICY default   ``tfpolicy.rewrite(dir, out, {"default_policy": POLICY})``,
+            as a user runs it (serving checks on), for each ``--policy``;
+  POLICY alone     the same with ``serving_checks=False``;
+  TF quantize_saved_model   TensorFlow's own post-training quantization,
+            dynamic-range int8 with its defaults (at the main depth and the
+            large model; ``--no_peer`` skips it).
 
-Only the work after the imports is timed; import time is reported apart.
-``--repeat N`` runs each case N times, alternating floor and tfpolicy, and
-keeps the fastest wall time (and the largest peak RSS); "cpu x" is the ratio
-of user+system CPU seconds of the timed work in those fastest runs.
-Peak RSS includes the imported libraries in both cases. Exports are kept in
-``--workdir`` (keyed by the model's shape) and reused on later runs with the
-same workdir; rewritten outputs are deleted after each measurement.
+At the main depth, each float8 policy is also calibrated on ``--calibration``
+batches of 8 (``serving_checks=False``): the median seconds per batch (from the
+second) against one forward pass of the rewritten output on the same batch.
+
+Only the work after the imports is timed. Peak RSS is reported above the
+RSS after the imports (TensorFlow's own ~550 MB), against the floor's and as a
+share of the model's float32 size. ``--repeat N`` runs each case N times,
+alternating, and keeps the fastest wall time (and the largest peak RSS).
+Exports are kept in ``--workdir`` (keyed by the model's shape) and reused on
+later runs with the same workdir; outputs are deleted after each measurement.
 
 ``--serving POLICIES`` measures what the outputs cost to serve instead: for
 each policy (``float32`` is the input itself), the output's size and its
@@ -64,6 +70,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 RESULT_MARKER = "BENCH_RESULT "
 DEFAULT_POLICY = "mixed_bfloat16"
+DEFAULT_POLICIES = ("mixed_bfloat16", "int8_from_mixed_bfloat16", "float8_from_mixed_bfloat16")
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -78,9 +85,13 @@ def _cpu_seconds() -> float:
 
 
 def _peak_rss_mb() -> float:
-    # ru_maxrss is in KiB on Linux, bytes on macOS.
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+    """This process's peak RSS: VmHWM on Linux (ru_maxrss there starts from the forking parent's RSS)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):  # not Linux: ru_maxrss is in bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
 def build_encoder(depth: int, width: int, heads: int, seq: int, ffn: int):
@@ -232,7 +243,65 @@ def child_serving(args) -> dict:
     return {"rows": rows}
 
 
-CHILDREN = {"export": child_export, "floor": child_floor, "tfpolicy": child_tfpolicy, "profile": child_profile,
+def _encoder_batch(function, batch: int):
+    import numpy as np
+
+    (name, spec), = function.structured_input_signature[1].items()
+    shape = [batch if d is None else d for d in spec.shape]
+    return name, np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+
+def child_calibrate(args) -> dict:
+    """A float8 rewrite calibrated on ``--batches`` batches: seconds per batch, against one forward pass of the output."""
+    import statistics
+
+    import tensorflow as tf
+
+    import tfpolicy
+    import tfpolicy.api
+
+    name, batch = _encoder_batch(tf.saved_model.load(args.input).signatures["serving_default"], args.batch)
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    tfpolicy.rewrite(args.input, args.out, {"default_policy": args.policy}, serving_checks=bool(args.serving_checks),
+                     calibration_data=({name: batch} for _ in range(args.batches)),
+                     calibration_progress=lambda done, total: stamps.append(time.perf_counter()))
+    seconds = time.perf_counter() - t0
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]  # from the second batch: the first includes tracing
+    function = tf.saved_model.load(args.out).signatures["serving_default"]
+    x = tf.constant(batch)
+    function(**{name: x})
+    forward = []
+    for _ in range(3):
+        t1 = time.perf_counter()
+        next(iter(function(**{name: x}).values())).numpy()
+        forward.append(time.perf_counter() - t1)
+    return {"seconds": seconds, "batches": len(stamps), "batch_seconds": statistics.median(steps),
+            "first_batch_seconds": stamps[0] - t0 if stamps else None, "forward_seconds": min(forward),
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+def child_peer(args) -> dict:
+    """TensorFlow's own post-training quantization, dynamic-range int8, with its defaults."""
+    t0 = time.perf_counter()
+    import tensorflow  # noqa: F401
+    from tensorflow.compiler.mlir.quantization.tensorflow import quantization_options_pb2 as options_pb2
+    from tensorflow.compiler.mlir.quantization.tensorflow.python import quantize_model
+
+    t_import = time.perf_counter() - t0
+    rss_after_import = _peak_rss_mb()
+    method = options_pb2.QuantizationMethod(
+        preset_method=options_pb2.QuantizationMethod.PresetMethod.METHOD_DYNAMIC_RANGE_INT8)
+    options = options_pb2.QuantizationOptions(quantization_method=method, tags={"serve"},
+                                              signature_keys=["serving_default"])
+    cpu0, t0 = _cpu_seconds(), time.perf_counter()
+    quantize_model.quantize(args.input, args.out, options)
+    seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+    return {"seconds": seconds, "cpu_seconds": cpu, "import_seconds": t_import, "peak_rss_mb": _peak_rss_mb(),
+            "rss_after_import_mb": rss_after_import, "output_bytes": _directory_bytes(pathlib.Path(args.out))}
+
+
+CHILDREN = {"export": child_export, "calibrate": child_calibrate, "peer": child_peer, "floor": child_floor, "tfpolicy": child_tfpolicy, "profile": child_profile,
             "serving": child_serving}
 
 
@@ -250,6 +319,7 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--policies", default="")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=8)
     args = parser.parse_args(argv)
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -304,18 +374,15 @@ def ensure_export(workdir: pathlib.Path, depth: int, shape: dict) -> tuple[pathl
     return path, result["params"]
 
 
-def measure(mode: str, export: pathlib.Path, workdir: pathlib.Path, depth: int, run: str = "",
-            policy: str = DEFAULT_POLICY, serving_checks: bool = True) -> dict:
-    out = workdir / "out" / f"{mode}_d{depth}"
+def measure(mode: str, export: pathlib.Path, workdir: pathlib.Path, label: str, run: str = "", **options) -> dict:
+    out = workdir / "out" / f"{mode}_{label}"
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _progress(f"depth {depth}: {mode}{run} ...")
-    tool = mode == "tfpolicy"
-    result = run_child(mode, input=export, out=out, policy=policy if tool else None,
-                       serving_checks=None if serving_checks or not tool else 0)
-    _progress(f"depth {depth}: {mode}{run} {result['seconds']:.1f}s (cpu {result['cpu_seconds']:.1f}s),"
-              f" peak RSS {result['peak_rss_mb']:.0f} MB (import {result['import_seconds']:.1f}s)")
+    what = f"{mode} {options.get('policy', '')}".strip() + ("" if options.get("serving_checks", 1) else " (alone)")
+    _progress(f"{label}: {what}{run} ...")
+    result = run_child(mode, input=export, out=out, **options)
+    _progress(f"{label}: {what}{run} {result['seconds']:.1f}s, peak RSS {result['peak_rss_mb']:.0f} MB")
     shutil.rmtree(out, ignore_errors=True)
     return result
 
@@ -324,7 +391,6 @@ def best_of(runs: list[dict]) -> dict:
     """The run with the least wall time, with every run's times and peak RSS alongside."""
     best = dict(min(runs, key=lambda r: r["seconds"]))
     best["all_seconds"] = [r["seconds"] for r in runs]
-    best["all_cpu_seconds"] = [r["cpu_seconds"] for r in runs]
     best["all_peak_rss_mb"] = [r["peak_rss_mb"] for r in runs]
     best["peak_rss_mb"] = max(best["all_peak_rss_mb"])
     return best
@@ -346,18 +412,36 @@ def render(lines: list[tuple[str, ...]], markdown: bool = False) -> str:
     return "\n".join(out)
 
 
-def format_table(rows: list[dict], markdown: bool = False) -> str:
-    header = ("depth", "params", "floor s", "floor MB", "tfpolicy s", "tfpolicy MB", "time x", "RSS x", "cpu x")
-    lines = [header]
-    for r in rows:
-        lines.append((
-            str(r["depth"]), f"{r['params']:,}",
-            f"{r['floor']['seconds']:.1f}", f"{r['floor']['peak_rss_mb']:.0f}",
-            f"{r['tfpolicy']['seconds']:.1f}", f"{r['tfpolicy']['peak_rss_mb']:.0f}",
-            f"{r['time_ratio']:.2f}", f"{r['rss_ratio']:.2f}",
-            f"{r['tfpolicy']['cpu_seconds'] / r['floor']['cpu_seconds']:.2f}",
-        ))
+def _above_import(result: dict) -> float:
+    return result["peak_rss_mb"] - result.get("rss_after_import_mb", 0.0)
+
+
+def format_table(models: list[dict], markdown: bool = False) -> str:
+    """One row per model and route: seconds and peak RSS above the import, each against the floor's."""
+    lines = [("model", "params", "route", "s", "x floor", "MB above import", "RSS x floor", "% of float32 size")]
+    for model in models:
+        floor = model["routes"]["floor"]
+        for route, r in model["routes"].items():
+            above = _above_import(r)
+            lines.append((
+                model["label"], f"{model['params'] / 1e6:,.0f}M", route, f"{r['seconds']:.1f}",
+                f"{r['seconds'] / floor['seconds']:.2f}", f"{above:.0f}", f"{above / _above_import(floor):.2f}",
+                f"{100 * above / (model['params'] * 4 / 2**20):.0f}%",
+            ))
     return render(lines, markdown)
+
+
+def format_calibration(rows: list[dict], markdown: bool = False) -> str:
+    lines = [("model", "policy", "batches", "s per batch", "forward s", "x forward", "rewrite s")]
+    for r in rows:
+        lines.append((r["label"], r["policy"], str(r["batches"]), f"{r['batch_seconds']:.2f}",
+                      f"{r['forward_seconds']:.2f}", f"{r['batch_seconds'] / r['forward_seconds']:.2f}",
+                      f"{r['seconds']:.1f}"))
+    return render(lines, markdown)
+
+
+LARGE = {"depth": 24, "width": 2048, "heads": 16, "ffn": 8192}
+"""``--large``: about 1.2B parameters, 4.8 GB of float32."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=None, help="FFN width (default 4*width)")
-    parser.add_argument("--depths", default="2,4,8,12", help="comma-separated depths for the growth table")
+    parser.add_argument("--depths", default="2,4,8,12", help="comma-separated depths (default 2,4,8,12)")
+    parser.add_argument("--large", action="store_true",
+                        help="also the large encoder: depth 24, width 2048, 16 heads, ffn 8192 (1.2B parameters)")
     parser.add_argument("--workdir", type=pathlib.Path, default=None,
                         help="where exports (reused) and outputs go (default: a fresh temp dir, removed at exit)")
     parser.add_argument("--json", type=pathlib.Path, default=None, metavar="OUT", help="also write results as JSON")
@@ -378,10 +464,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=None, metavar="DEPTH",
                         help="also profile tfpolicy.rewrite at DEPTH with cProfile")
     parser.add_argument("--top", type=int, default=30, help="rows of the cProfile listing (default 30)")
-    parser.add_argument("--policy", default=DEFAULT_POLICY,
-                        help="the map's default policy (default mixed_bfloat16; try int8_from_mixed_bfloat16)")
-    parser.add_argument("--no_serving_checks", action="store_true",
-                        help="time tfpolicy.rewrite(..., serving_checks=False): no TF1 load or XLA lowering of the output")
+    parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
+                        help="comma-separated default policies of the maps (default: %(default)s)")
+    parser.add_argument("--routes", default="default,alone",
+                        help="default (serving checks on, as a user runs it) and/or alone (serving_checks=False)")
+    parser.add_argument("--calibration", type=int, default=8, metavar="N",
+                        help="at the main depth, calibrate each float8 policy on N batches (0: skip; default 8)")
+    parser.add_argument("--no_peer", action="store_true",
+                        help="skip TensorFlow's quantize_saved_model (dynamic-range int8) at the main depth and --large")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure each case N times, alternating, and keep the fastest (default 1)")
     parser.add_argument("--serving", default=None, metavar="POLICIES",
@@ -393,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeat must be at least 1")
     if args.width % args.heads:
         parser.error("--width must be a multiple of --heads")
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    if not routes or set(routes) - {"default", "alone"}:
+        parser.error(f"--routes: expected default and/or alone, got {args.routes!r}")
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     shape = {"width": args.width, "heads": args.heads, "seq": args.seq, "ffn": args.ffn or 4 * args.width}
     try:
         depths = sorted({int(d) for d in args.depths.split(",") if d.strip()} | {args.depth})
@@ -406,8 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         workdir = args.workdir.resolve()
         workdir.mkdir(parents=True, exist_ok=True)
-    _progress(f"policy {args.policy}; workdir {workdir}; depths {depths}; width {shape['width']} heads {shape['heads']}"
-              f" seq {shape['seq']} ffn {shape['ffn']}; {os.cpu_count()} CPUs")
+    _progress(f"policies {policies}; workdir {workdir}; depths {depths}; width {shape['width']} heads {shape['heads']}"
+              f" seq {shape['seq']} ffn {shape['ffn']}{'; and the large encoder' if args.large else ''};"
+              f" {os.cpu_count()} CPUs")
     started = time.perf_counter()
     if args.serving:
         try:
@@ -416,41 +511,48 @@ def main(argv: list[str] | None = None) -> int:
             if temp is not None:
                 temp.cleanup()
     try:
-        rows = []
-        for depth in depths:
-            export, params = ensure_export(workdir, depth, shape)
-            floors, tfps = [], []
-            for i in range(args.repeat):  # alternate, so both see the same background load
+        plans = [(f"depth {d}", d, shape, d == args.depth) for d in depths]
+        if args.large:
+            large = dict(shape, **{k: v for k, v in LARGE.items() if k != "depth"})
+            plans.append((f"depth {LARGE['depth']}, width {LARGE['width']}", LARGE["depth"], large, True))
+        models, calibrations = [], []
+        for label, depth, model_shape, main_row in plans:
+            export, params = ensure_export(workdir, depth, model_shape)
+            tag = label.replace(" ", "").replace(",", "_")
+            cases = [("floor", "floor", {})]
+            for policy in policies:
+                for route in routes:
+                    cases.append((f"{policy} {route}", "tfpolicy",
+                                  {"policy": policy, "serving_checks": int(route == "default")}))
+            if main_row and not args.no_peer:
+                cases.append(("TF quantize_saved_model (dynamic-range int8)", "peer", {}))
+            results: dict[str, list[dict]] = {name: [] for name, _, _ in cases}
+            for i in range(args.repeat):  # alternate, so that all see the same background load
                 run = f" (run {i + 1}/{args.repeat})" if args.repeat > 1 else ""
-                floors.append(measure("floor", export, workdir, depth, run))
-                tfps.append(measure("tfpolicy", export, workdir, depth, run, args.policy, not args.no_serving_checks))
-            floor, tfp = best_of(floors), best_of(tfps)
-            rows.append({
-                "depth": depth, "params": params, "export": str(export), "floor": floor, "tfpolicy": tfp,
-                "time_ratio": tfp["seconds"] / floor["seconds"],
-                "rss_ratio": tfp["peak_rss_mb"] / floor["peak_rss_mb"],
-            })
+                for name, mode, options in cases:
+                    results[name].append(measure(mode, export, workdir, tag, run, **options))
+            models.append({"label": label, "params": params, "export": str(export), "shape": model_shape,
+                           "routes": {name: best_of(runs) for name, runs in results.items()}})
+            if depth == args.depth and model_shape is shape and args.calibration:
+                for policy in (p for p in policies if p.startswith("float8")):
+                    result = measure("calibrate", export, workdir, tag, policy=policy, batches=args.calibration,
+                                     serving_checks=0)
+                    calibrations.append(dict(result, label=label, policy=policy))
         profile = None
         if args.profile is not None:
             export, _ = ensure_export(workdir, args.profile, shape)
             out = workdir / "out" / f"profile_d{args.profile}"
             shutil.rmtree(out, ignore_errors=True)
             _progress(f"depth {args.profile}: profiling tfpolicy.rewrite ...")
-            profile = run_child("profile", input=export, out=out, top=args.top, policy=args.policy)
+            profile = run_child("profile", input=export, out=out, top=args.top, policy=policies[0])
             shutil.rmtree(out, ignore_errors=True)
             profile["depth"] = args.profile
 
         print()
-        print(format_table(rows, args.markdown))
-        main_row = next(r for r in rows if r["depth"] == args.depth)
-        print()
-        print(f"depth {args.depth} ({main_row['params']:,} params): tfpolicy {main_row['tfpolicy']['seconds']:.1f}s"
-              f" / floor {main_row['floor']['seconds']:.1f}s = {main_row['time_ratio']:.2f}x time,"
-              f" {main_row['tfpolicy']['peak_rss_mb']:.0f} / {main_row['floor']['peak_rss_mb']:.0f} MB"
-              f" = {main_row['rss_ratio']:.2f}x peak RSS,"
-              f" cpu {main_row['tfpolicy']['cpu_seconds']:.1f}s / {main_row['floor']['cpu_seconds']:.1f}s"
-              f" (imports: tensorflow {main_row['floor']['import_seconds']:.1f}s,"
-              f" tensorflow+tfpolicy {main_row['tfpolicy']['import_seconds']:.1f}s)")
+        print(format_table(models, args.markdown))
+        if calibrations:
+            print()
+            print(format_calibration(calibrations, args.markdown))
         if profile is not None:
             print()
             print(f"cProfile of tfpolicy.rewrite at depth {profile['depth']} ({profile['seconds']:.1f}s),"
@@ -462,8 +564,9 @@ def main(argv: list[str] | None = None) -> int:
             print(profile["tottime"])
         if args.json:
             args.json.write_text(json.dumps({
-                "shape": shape, "depths": depths, "main_depth": args.depth, "cpus": os.cpu_count(),
-                "total_seconds": time.perf_counter() - started, "rows": rows, "profile": profile,
+                "depths": depths, "main_depth": args.depth, "cpus": os.cpu_count(), "policies": policies,
+                "total_seconds": time.perf_counter() - started, "models": models, "calibration": calibrations,
+                "profile": profile,
             }, indent=2) + "\n")
             _progress(f"wrote {args.json}")
     finally:

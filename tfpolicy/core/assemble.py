@@ -197,6 +197,8 @@ def assemble(
         functions[program.key] = savedmodel_save.rebuild_function(program, handles)
         if calibration is not None and calibration[0] == program.key:
             calibrate = savedmodel_save.rebuild_function(program, handles, outputs=calibration[1])
+    for alias, key in model.aliases.items():
+        functions[alias] = functions[key]
     root = tf_internals.new_trackable_root()
     root.tfpolicy_variables = list(kept.values()) + list(converted.values()) + list(created.values())
     root.tfpolicy_resources = savedmodel_io.tracked_resources(model.root)

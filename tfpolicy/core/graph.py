@@ -269,6 +269,7 @@ class Graph:
         """
         removed: list[str] = []
         stack = [name]
+        controlled: Optional[set[str]] = None  # nodes some node waits on, read once per call
         while stack:
             node = self.nodes.get(stack.pop())
             if node is None or node.op in ("_Arg", "Placeholder") or tf_names.is_stateful(node.op):
@@ -277,7 +278,9 @@ class Graph:
                 continue
             if any(self.uses(TensorRef(node.name, i)) for i in range(len(self.output_dtypes(node)))):
                 continue
-            if any(node.name in other.control_inputs() for other in self.nodes.values()):
+            if controlled is None:
+                controlled = {text[1:] for other in self.nodes.values() for text in other.inputs if text[:1] == "^"}
+            if node.name in controlled:
                 continue
             for position, used in node.data_inputs():
                 key = str(used)

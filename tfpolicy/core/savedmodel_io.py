@@ -65,6 +65,8 @@ class LoadedModel:
     signatures: dict[str, SignatureProgram]
     variables: list[tf.Variable]
     checkpoint: Optional[checkpoints.SavedModelCheckpoint] = None
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Signature key -> the key in ``signatures`` that computes the same (rewritten once, saved under both)."""
 
     def read(self, variable: tf.Variable) -> tf.Tensor:
         """``variable``'s value: from the checkpoint, when the variables were not restored."""
@@ -123,8 +125,43 @@ def load(path: pathlib.Path, signatures: Optional[Sequence[str]] = None, *, stre
         keys = sorted(available)
     variables = _all_variables(root)
     by_handle = {id(v.handle): v for v in variables}
-    programs = {key: _load_signature(key, root.signatures[key], by_handle) for key in keys}
-    return LoadedModel(path, root, programs, variables, checkpoint)
+    programs: dict[str, SignatureProgram] = {}
+    aliases: dict[str, str] = {}
+    first_of: dict[bytes, str] = {}  # what a signature computes -> the first key that does
+    for key in sorted(keys, key=lambda k: (k != DEFAULT_SIGNATURE, k)):
+        function = root.signatures[key]
+        graph_def = inline_functions(function)
+        computes = _computation(graph_def, function)
+        if computes in first_of:
+            aliases[key] = first_of[computes]
+            continue
+        first_of[computes] = key
+        programs[key] = _load_signature(key, function, by_handle, graph_def)
+    return LoadedModel(path, root, dict(sorted(programs.items())), variables, checkpoint, aliases)
+
+
+DEFAULT_SIGNATURE = "serving_default"
+
+
+def _computation(graph_def: graph_pb2.GraphDef, function: object) -> bytes:
+    """What a signature computes: its inlined graph, inputs, outputs and captured handles.
+
+    Keras exports ``serve`` and ``serving_default`` as two wrappers of one
+    function; their inlined graphs differ only in the ``_user_specified_name``
+    of the capture placeholders.
+    """
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    for node in copy.node:
+        node.attr.pop("_user_specified_name", None)
+    parts = [
+        copy.SerializeToString(deterministic=True),
+        repr([t.name for t in function.inputs]).encode(),
+        repr([(k, t.name) for k, t in zip(_output_keys(function), function.outputs)]).encode(),
+        repr([(id(external), internal.name) for external, internal in function.graph.captures]).encode(),
+        repr(function.structured_input_signature).encode(),
+    ]
+    return b"\0".join(parts)
 
 
 def _load_root(path: pathlib.Path, streamed: bool) -> object:
@@ -171,8 +208,9 @@ def inline_functions(function: object) -> graph_pb2.GraphDef:
     return tf_internals.run_grappler(config, meta_graph)
 
 
-def _load_signature(key: str, function: object, by_handle: dict[int, tf.Variable]) -> SignatureProgram:
-    graph_def = inline_functions(function)
+def _load_signature(
+    key: str, function: object, by_handle: dict[int, tf.Variable], graph_def: graph_pb2.GraphDef
+) -> SignatureProgram:
     library = tf_names.library_signatures(graph_def.library)
     graph = Graph(key, library=library)
     for node_def in graph_def.node:

@@ -233,6 +233,67 @@ def batches_from(
     return batches[:max_batches] if max_batches is not None else batches
 
 
+class BatchStream:
+    """Batches read one at a time, as :func:`batches_from` reads them, the first at once.
+
+    The first batch is read when the stream is made, so that bad data fails
+    before any model work; the others when iterated, so that a dataset larger
+    than memory can be run through (an ``.npz`` is loaded whole and sliced).
+    ``total`` is the number of batches when it is known (a path, a dict, a
+    sized iterable, a dataset of known cardinality, or ``max_batches``), else None.
+    """
+
+    def __init__(self, source: InputSource, *, what: str, batch_size: int = 32, max_batches: Optional[int] = None):
+        self.what = what
+        if isinstance(source, (str, os.PathLike)) or isinstance(source, Mapping):
+            arrays = (load_npz(source, what=what) if not isinstance(source, Mapping) else
+                      {name: _normalized(_to_numpy(value), f"{what}: input '{name}'") for name, value in source.items()})
+            rows = batch_rows(arrays)
+            total = -(-rows // batch_size) if batch_size >= 1 else 0
+            elements: Iterator[Any] = iter_batches(arrays, batch_size)
+        elif isinstance(source, Iterable):
+            total = _known_length(source)
+            elements = iter(source)
+        else:
+            raise InputDataError(
+                f"{what} must be an .npz path, a dict of arrays or an iterable of dicts, not {type(source).__name__}"
+            )
+        if max_batches is not None:
+            total = max_batches if total is None else min(total, max_batches)
+        self.total = total
+        self._elements = elements
+        self._limit = max_batches
+        self.first = self._read(0)
+        if self.first is None:
+            raise InputDataError(f"{what} holds no examples")
+
+    def _read(self, position: int) -> Optional[dict[str, np.ndarray]]:
+        if self._limit is not None and position >= self._limit:
+            return None
+        element = next(self._elements, None)
+        if element is None:
+            return None
+        return _element_arrays(element, f"{self.what}: element {position}")
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        yield self.first
+        position = 1
+        while (batch := self._read(position)) is not None:
+            yield batch
+            position += 1
+
+
+def _known_length(source: Iterable) -> Optional[int]:
+    cardinality = getattr(source, "cardinality", None)
+    if callable(cardinality):  # a tf.data.Dataset: negative when infinite or unknown
+        count = int(cardinality())
+        return count if count >= 0 else None
+    try:
+        return len(source)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
