@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import tfpolicy
-from tfpolicy.core import checkpoints, savedmodel_io
+from tfpolicy.core import checkpoints, savedmodel_io, savedmodel_save, tf_internals
 from tfpolicy.errors import SavedModelError
 
 from model_zoo import run_signature
@@ -59,7 +59,7 @@ def test_output_values_written_in_shards_serve_as_a_whole(zoo, tmp_path, monkeyp
     data_files = sorted(p.name for p in (sharded / "variables").iterdir() if ".data-" in p.name)
     values = _values(sharded)
     assert len(data_files) == len(values) + 1  # one per value, and the object graph's
-    assert not (sharded / "variables" / "tfpolicy-parts").exists()
+    assert not (sharded / "tfpolicy-parts").exists() and not (sharded / "variables" / "tfpolicy-parts").exists()
     whole_values = _values(whole)
     assert sorted(values) == sorted(whole_values)
     for name, value in values.items():
@@ -96,6 +96,75 @@ def test_unreadable_input_checkpoint_is_one_error_and_writes_nothing(zoo, tmp_pa
     assert "\n" not in str(raised.value)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+# -- values written while tf.saved_model.save runs ---------------------------
+
+def _root_without_values() -> tuple[tf.Module, dict[int, np.ndarray]]:
+    """A root whose variables have no value, one reachable by two paths, and what makes each."""
+    root = tf.Module()
+    root.layer = tf.Module()
+    root.layer.kernel = tf_internals.uninitialized_variable((3, 4), tf.float32, "kernel")
+    root.parts = [tf_internals.uninitialized_variable((5,), tf.bfloat16, f"part_{i}") for i in range(3)]
+    root.alias = root.parts[1]
+    root.step = tf.Variable(7)  # has a value: the save writes it
+    rng = np.random.default_rng(0)
+    values = {id(v): rng.normal(size=v.shape).astype(v.dtype.as_numpy_dtype) for v in [root.layer.kernel, *root.parts]}
+    return root, values
+
+
+def _value_of(values):
+    return lambda obj, attribute: (lambda: tf.constant(values[id(obj)])) if id(obj) in values else None
+
+
+def _saved_with(writer: checkpoints.ValueWriter, root: tf.Module, out: pathlib.Path) -> dict[int, np.ndarray]:
+    out.mkdir()
+    writer.start(out)
+    tf.saved_model.save(root, str(out))
+    writer.finish(out)
+    loaded = tf.saved_model.load(str(out))
+    return {
+        "kernel": loaded.layer.kernel.numpy(), "parts": [p.numpy() for p in loaded.parts],
+        "alias": loaded.alias.numpy(), "step": loaded.step.numpy(),
+    }
+
+
+def test_values_written_while_saving_land_under_the_keys_the_save_gives(tmp_path):
+    root, values = _root_without_values()
+    writer = checkpoints.ValueWriter(root, _value_of(values))
+    restored = _saved_with(writer, root, tmp_path / "m")
+    assert writer.written_while_saving == 4  # every value, none left for after the save
+    np.testing.assert_array_equal(restored["kernel"], values[id(root.layer.kernel)])
+    for part, variable in zip(restored["parts"], root.parts):
+        np.testing.assert_array_equal(part, values[id(variable)])
+    np.testing.assert_array_equal(restored["alias"], values[id(root.parts[1])])
+    assert restored["step"] == 7
+    assert not (tmp_path / "m" / "tfpolicy-parts").exists()
+
+
+def test_keys_predicted_wrong_are_written_again(tmp_path, monkeypatch):
+    """If the save names a variable otherwise than predicted, no value lands under another's key."""
+    root, values = _root_without_values()
+    predicted = tf_internals.variable_checkpoint_keys(root)
+    variables, keys = zip(*predicted)
+    swapped = list(zip(variables, keys[1:] + keys[:1]))  # each value under its neighbour's key
+    monkeypatch.setattr(tf_internals, "variable_checkpoint_keys", lambda _: swapped)
+    writer = checkpoints.ValueWriter(root, _value_of(values))
+    restored = _saved_with(writer, root, tmp_path / "m")
+    assert writer.written_while_saving == 0
+    np.testing.assert_array_equal(restored["kernel"], values[id(root.layer.kernel)])
+    for part, variable in zip(restored["parts"], root.parts):
+        np.testing.assert_array_equal(part, values[id(variable)])
+
+
+def test_a_failed_save_stops_the_writer_and_leaves_nothing(tmp_path):
+    root, values = _root_without_values()
+    writer = checkpoints.ValueWriter(root, _value_of(values))
+    out = tmp_path / "out"
+    with pytest.raises((TypeError, ValueError)):  # the save fails while the writer runs
+        savedmodel_save.save_atomically(root, {"serving_default": "not a function"}, out, overwrite=False, fill=writer)
+    assert writer._thread is not None and not writer._thread.is_alive()  # noqa: SLF001
+    assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 # -- peak memory, in a fresh process each ------------------------------------

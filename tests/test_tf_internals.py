@@ -133,6 +133,26 @@ def test_checkpointed_objects_walk_a_saved_models_object_graph_to_its_values(tmp
     np.testing.assert_array_equal(target.numpy(), module.layer.kernel.numpy())
 
 
+def test_variable_checkpoint_keys_are_the_keys_a_save_gives(tmp_path):
+    """Known before saving: each variable's key, by its shortest path (an alias sorted first wins, as in the save)."""
+    module = tf.Module()
+    module.layer = tf.Module()
+    module.layer.kernel = tf.Variable(np.ones((2, 3), np.float32))
+    module.items = [tf.Variable(1.0), tf_internals.uninitialized_variable((4,), tf.bfloat16, "empty")]
+    module.again = module.layer.kernel
+    predicted = {id(v): key for v, key in tf_internals.variable_checkpoint_keys(module)}
+    assert predicted[id(module.layer.kernel)] == "again/.ATTRIBUTES/VARIABLE_VALUE"
+    tf.saved_model.save(module, str(tmp_path / "m"))
+    reader = tf.train.load_checkpoint(str(tmp_path / "m" / "variables" / "variables"))
+    from tensorflow.core.protobuf import trackable_object_graph_pb2  # noqa: PLC0415
+
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    found = tf_internals.checkpointed_objects(module, graph)
+    saved = {id(found[i]): a.checkpoint_key for i, node in enumerate(graph.nodes) if i in found for a in node.attributes}
+    assert predicted == saved
+
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfpolicy"
 
 

@@ -106,10 +106,6 @@ def rewrite(
 
     check_data = {state.passes.calibration[0]: batches.first} if batches and state.passes.calibration else None
 
-    def fill(staged: pathlib.Path) -> None:
-        written = checkpoints.write_values(staged, built.root, built.value_of)
-        logger.debug("wrote %d variable values", written)
-
     def check(staged: pathlib.Path) -> None:
         logger.info("serving checks: TF1 session loader, XLA compilation")
 
@@ -128,7 +124,8 @@ def rewrite(
         )
 
     savedmodel_save.save_atomically(
-        built.root, built.signatures, output_path, overwrite, fill=fill, check=check if serving_checks else None
+        built.root, built.signatures, output_path, overwrite,
+        fill=checkpoints.ValueWriter(built.root, built.value_of), check=check if serving_checks else None
     )
     current = {name: variable.numpy() for name, variable in built.new_variables.items() if variable.is_initialized()}
     report.quantization = quantization_rows(state.qplan, state.passes.quantized, _scales(state.new_variables) | current)

@@ -123,7 +123,7 @@ class Assembled:
     source: Optional[checkpoints.SavedModelCheckpoint]  # the input's, when its variables were not restored
 
     def value_of(self, obj: object, attribute: str) -> Optional[Callable[[], tf.Tensor]]:
-        """What makes ``obj``'s value in the output checkpoint (see :func:`checkpoints.write_values`)."""
+        """What makes ``obj``'s value in the output checkpoint (see :class:`checkpoints.ValueWriter`)."""
         if isinstance(obj, tf.Variable) and obj.is_initialized():
             return None  # tf.saved_model.save wrote it
         if id(obj) in self.producers:

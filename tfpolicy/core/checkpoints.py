@@ -7,11 +7,13 @@ one value at a time, so the rewrite does not hold them all::
 
     input   tf.saved_model.load(skip the checkpoint)    variables with a shape and a dtype, no memory
             SavedModelCheckpoint.read(variable)         one tensor: RestoreV2 of the variable's key
-    output  tf.saved_model.save(root)                   graph, functions, object graph; variables
+    output  ValueWriter.start(dir)                      in a thread, while the save runs: each
+                                                        missing value, a shard of them at a time
+                                                        (SaveV2), under the key the save will give it
+            tf.saved_model.save(root)                   graph, functions, object graph; variables
                                                         without a value are not written
-            write_values(dir, root, value_of)           each missing value, a shard of them at a
-                                                        time (SaveV2), merged (MergeV2Checkpoints)
-                                                        into variables/variables
+            ValueWriter.finish(dir)                     keys checked, the rest written, all merged
+                                                        (MergeV2Checkpoints) into variables/variables
 
 Peak memory is TensorFlow's own plus about one shard (:data:`SHARD_BYTES`) and the
 tensors that produce its largest value.
@@ -24,6 +26,7 @@ import logging
 import os
 import pathlib
 import shutil
+import threading
 from typing import Any, Callable, Iterable, Optional
 
 import tensorflow as tf
@@ -101,66 +104,140 @@ class SavedModelCheckpoint:
                 tf_internals.restore_object(obj, {name: self.read(obj, name) for name in keys})
 
 
-def write_values(
-    saved_model_dir: pathlib.Path,
-    root: object,
-    value_of: ValueOf,
-    progress: Optional[Callable[[int, int], None]] = None,
-) -> int:
-    """Complete the checkpoint ``tf.saved_model.save(root, saved_model_dir)`` wrote.
+class ValueWriter:
+    """Writes the values ``tf.saved_model.save(root)`` leaves out, mostly while it runs.
 
-    Every attribute of the object graph whose ``value_of(object, attribute)``
-    gives a producer is written with the producer's tensor, in place of what
-    the save wrote for it, if anything; every other keeps the saved value,
-    which must exist. Returns the number of values written.
+    :meth:`start`, before the save, writes in a thread every variable's value
+    that ``value_of(variable, VARIABLE_VALUE)`` makes, under the key the save
+    will give it (:func:`tf_internals.variable_checkpoint_keys`): reading,
+    converting and writing overlap the save's tracing. :meth:`finish`, after
+    the save, checks those keys against the saved object graph (all of them
+    are written again if one differs), writes what is left, and merges it all
+    into ``variables/variables``. :meth:`cancel` stops the thread.
     """
-    saved = SavedModelCheckpoint(saved_model_dir, root)
-    planned: list[tuple[str, Callable[[], tf.Tensor]]] = []
-    kept: list[str] = [OBJECT_GRAPH_KEY]
-    found = tf_internals.checkpointed_objects(root, saved.object_graph)
-    for node_id, node in enumerate(saved.object_graph.nodes):
-        obj = found.get(node_id)
-        for attribute in node.attributes:
-            produce = value_of(obj, attribute.name) if obj is not None else None
+
+    def __init__(self, root: object, value_of: ValueOf) -> None:
+        self.root, self.value_of = root, value_of
+        self._early: dict[str, Any] = {}  # checkpoint key -> the object whose value was written
+        self._early_prefixes: list[str] = []
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self.written_while_saving = 0
+        """After :meth:`finish`: how many values were written while the save ran."""
+
+    def start(self, saved_model_dir: pathlib.Path) -> None:
+        planned = []
+        for variable, key in tf_internals.variable_checkpoint_keys(self.root):
+            produce = self.value_of(variable, VARIABLE_VALUE)
             if produce is not None:
-                planned.append((attribute.checkpoint_key, produce))
-            elif attribute.checkpoint_key in saved.dtypes:
-                kept.append(attribute.checkpoint_key)
-            else:
-                raise RuntimeError(f"no value to write for checkpoint key {attribute.checkpoint_key!r}")
-    if not planned:
-        return 0
-    logger.debug("writing %d values, %d kept as saved", len(planned), len(kept) - 1)
-    variables_dir = pathlib.Path(saved.prefix).parent
-    parts_dir = variables_dir / "tfpolicy-parts"
-    parts_dir.mkdir()
-    prefixes = [str(parts_dir / "part-0")]
-    _save(prefixes[0], kept, [saved_value(saved, key) for key in kept])
-    for name in os.listdir(variables_dir):
-        if name.startswith("variables."):
-            os.remove(variables_dir / name)
+                planned.append((key, variable, produce))
+        if not planned:
+            return
+        parts_dir = _parts_dir(saved_model_dir)
+        parts_dir.mkdir()
+
+        def write() -> None:
+            try:
+                written = _write_shards(parts_dir, "early", [(key, produce) for key, _, produce in planned], self._stop)
+                self._early_prefixes = written
+                self._early = {key: variable for key, variable, _ in planned}
+            except BaseException as exc:  # noqa: BLE001 - raised again by finish()
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, name="tfpolicy-values", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def finish(self, saved_model_dir: pathlib.Path) -> int:
+        """Complete the checkpoint the save wrote; returns the number of values written.
+
+        Every attribute of the object graph whose ``value_of(object, attribute)``
+        gives a producer is written with the producer's tensor, in place of what
+        the save wrote for it, if anything; every other keeps the saved value,
+        which must exist.
+        """
+        if self._thread is not None:
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+        saved = SavedModelCheckpoint(saved_model_dir, self.root)
+        planned: list[tuple[str, Any, Callable[[], tf.Tensor]]] = []
+        kept: list[str] = [OBJECT_GRAPH_KEY]
+        found = tf_internals.checkpointed_objects(self.root, saved.object_graph)
+        for node_id, node in enumerate(saved.object_graph.nodes):
+            obj = found.get(node_id)
+            for attribute in node.attributes:
+                produce = self.value_of(obj, attribute.name) if obj is not None else None
+                if produce is not None:
+                    planned.append((attribute.checkpoint_key, obj, produce))
+                elif attribute.checkpoint_key in saved.dtypes:
+                    kept.append(attribute.checkpoint_key)
+                else:
+                    raise RuntimeError(f"no value to write for checkpoint key {attribute.checkpoint_key!r}")
+        parts_dir = _parts_dir(saved_model_dir)
+        if self._early and {key: id(obj) for key, obj, _ in planned if key in self._early} != {
+            key: id(obj) for key, obj in self._early.items()
+        }:
+            logger.debug("the save named variables otherwise than predicted; writing every value again")
+            shutil.rmtree(parts_dir)
+            self._early, self._early_prefixes = {}, []
+        if not planned:
+            return 0
+        parts_dir.mkdir(exist_ok=True)
+        prefixes = [str(parts_dir / "kept")]
+        _save(prefixes[0], kept, [saved_value(saved, key) for key in kept])
+        rest = [(key, produce) for key, _, produce in planned if key not in self._early]
+        prefixes += self._early_prefixes + _write_shards(parts_dir, "part", rest, None)
+        variables_dir = pathlib.Path(saved.prefix).parent
+        for name in os.listdir(variables_dir):
+            if name.startswith("variables."):
+                os.remove(variables_dir / name)
+        tf.raw_ops.MergeV2Checkpoints(
+            checkpoint_prefixes=prefixes, destination_prefix=saved.prefix, delete_old_dirs=True
+        )
+        shutil.rmtree(parts_dir, ignore_errors=True)
+        self.written_while_saving = len(self._early)
+        logger.debug(
+            "wrote %d values (%d while saving) in %d shards to %s",
+            len(planned), len(self._early), len(prefixes) - 1, saved.prefix,
+        )
+        return len(planned)
+
+
+def _parts_dir(saved_model_dir: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(saved_model_dir) / "tfpolicy-parts"
+
+
+def _write_shards(
+    parts_dir: pathlib.Path,
+    stem: str,
+    planned: list[tuple[str, Callable[[], tf.Tensor]]],
+    stop: Optional[threading.Event],
+) -> list[str]:
+    """Write ``planned`` values in shards of about :data:`SHARD_BYTES`; returns the shards' prefixes."""
+    prefixes: list[str] = []
     names: list[str] = []
     tensors: list[tf.Tensor] = []
     pending = 0
     for done, (key, produce) in enumerate(planned, start=1):
+        if stop is not None and stop.is_set():
+            break
         tensor = produce()
         names.append(key)
         tensors.append(tensor)
         pending += tensor.shape.num_elements() * tensor.dtype.size
         if pending >= SHARD_BYTES or done == len(planned):
-            prefixes.append(str(parts_dir / f"part-{len(prefixes)}"))
+            prefixes.append(str(parts_dir / f"{stem}-{len(prefixes)}"))
             _save(prefixes[-1], names, tensors)
             names, tensors, pending = [], [], 0
             _release_freed_memory()
-            logger.debug("wrote shard %d (%d of %d values)", len(prefixes) - 1, done, len(planned))
-        if progress is not None:
-            progress(done, len(planned))
-    tf.raw_ops.MergeV2Checkpoints(
-        checkpoint_prefixes=prefixes, destination_prefix=saved.prefix, delete_old_dirs=True
-    )
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    logger.debug("wrote %d values in %d shards to %s", len(planned), len(prefixes) - 1, saved.prefix)
-    return len(planned)
+            logger.debug("wrote %s shard %d (%d of %d values)", stem, len(prefixes) - 1, done, len(planned))
+    return prefixes
 
 
 def saved_value(checkpoint: SavedModelCheckpoint, key: str) -> tf.Tensor:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 
-from tfpolicy.core import tf_internals, tf_names
+from tfpolicy.core import checkpoints, tf_internals, tf_names
 from tfpolicy.core.graph import Graph
 from tfpolicy.core.savedmodel_io import SignatureProgram
 from tfpolicy.core.tf_names import TensorRef
@@ -188,24 +188,26 @@ def save_atomically(
     output_dir: pathlib.Path,
     overwrite: bool,
     check: Optional[Callable[[pathlib.Path], None]] = None,
-    fill: Optional[Callable[[pathlib.Path], None]] = None,
+    fill: Optional[checkpoints.ValueWriter] = None,
 ) -> None:
     """Save into a temporary directory beside ``output_dir`` and rename it into place.
 
-    ``fill(staged_dir)``, when given, runs right after the save (it writes the
-    values of variables that had none, see :mod:`tfpolicy.core.checkpoints`);
-    ``check(staged_dir)`` runs on the finished copy before the rename. If
-    either raises, nothing is left behind.
+    ``fill``, when given, writes the values of variables that had none (see
+    :mod:`tfpolicy.core.checkpoints`): it starts before the save and finishes
+    after it. ``check(staged_dir)`` runs on the finished copy before the
+    rename. If anything raises, nothing is left behind.
     """
     parent = output_dir.resolve().parent
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tfpolicy-tmp-", dir=parent))
     try:
+        if fill is not None:
+            fill.start(tmp)
         # Serving never differentiates: custom gradients (Keras's SiLU, keras_hub's
         # ops) would be traced with captures of the original graph, which fail.
         options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
         tf.saved_model.save(root, str(tmp), signatures=signatures, options=options)
         if fill is not None:
-            fill(tmp)
+            fill.finish(tmp)
         if check is not None:
             check(tmp)
         if output_dir.exists():
@@ -218,5 +220,7 @@ def save_atomically(
         else:
             os.rename(tmp, output_dir)
     except BaseException:
+        if fill is not None:
+            fill.cancel()
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -19,7 +19,7 @@ from tensorflow.python.eager import wrap_function
 from tensorflow.python.framework import func_graph, kernels, op_def_registry
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.trackable import asset, autotrackable, resource
+from tensorflow.python.trackable import asset, autotrackable, resource, trackable_utils
 from tensorflow.python.util import deprecation, nest
 
 
@@ -156,6 +156,24 @@ def checkpointed_objects(root: object, object_graph: trackable_object_graph_pb2.
                 found[child.node_id] = obj
                 queue.append(child.node_id)
     return found
+
+
+def variable_checkpoint_keys(root: object) -> list[tuple[tf.Variable, str]]:
+    """Every variable reachable from ``root``, with the key a checkpoint of ``root`` will give its value.
+
+    The key is the variable's shortest path of local names from the root, as
+    TensorFlow's breadth-first walk finds it (``tfpolicy_variables/3/.ATTRIBUTES/VARIABLE_VALUE``),
+    known before ``tf.saved_model.save`` runs so that values can be written
+    while it does. A SavedModel's walk also lists functions; callers compare
+    these keys with the saved object graph's (:func:`checkpointed_objects`).
+    No public API gives a key before saving.
+    """
+    _, paths = trackable_view.TrackableView(root)._descendants_with_paths()  # noqa: SLF001
+    return [
+        (obj, trackable_utils.checkpoint_key(trackable_utils.object_path_to_string(path), "VARIABLE_VALUE"))
+        for obj, path in paths.items()
+        if isinstance(obj, tf.Variable)
+    ]
 
 
 def uninitialized_variable(shape: Any, dtype: tf.DType, name: str, trainable: bool = False) -> tf.Variable:
