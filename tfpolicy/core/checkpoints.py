@@ -68,21 +68,16 @@ class SavedModelCheckpoint:
         graph = trackable_object_graph_pb2.TrackableObjectGraph()
         graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
         self.object_graph = graph
+        self.found = tf_internals.checkpointed_objects(root, graph)
+        """Node id of the object graph -> the object of ``root`` it names."""
         self._keys: dict[int, dict[str, str]] = {}
-        self._objects: dict[int, Any] = {}
         self.unmatched: list[str] = []  # keys of objects the walk did not reach
-        found = tf_internals.checkpointed_objects(root, graph)
         for node_id, node in enumerate(graph.nodes):
             keys = {a.name: a.checkpoint_key for a in node.attributes}
-            if node_id not in found:
+            if node_id not in self.found:
                 self.unmatched += keys.values()
             elif keys:
-                self._keys[id(found[node_id])] = keys
-                self._objects[id(found[node_id])] = found[node_id]
-
-    def objects(self) -> list[Any]:
-        """Every object of ``root`` with a value in the checkpoint."""
-        return list(self._objects.values())
+                self._keys[id(self.found[node_id])] = keys
 
     def keys_of(self, obj: Any) -> dict[str, str]:
         """Attribute name -> checkpoint key, for ``obj`` (empty when it has none)."""
@@ -168,9 +163,8 @@ class ValueWriter:
         saved = SavedModelCheckpoint(saved_model_dir, self.root)
         planned: list[tuple[str, Any, Callable[[], tf.Tensor]]] = []
         kept: list[str] = [OBJECT_GRAPH_KEY]
-        found = tf_internals.checkpointed_objects(self.root, saved.object_graph)
         for node_id, node in enumerate(saved.object_graph.nodes):
-            obj = found.get(node_id)
+            obj = saved.found.get(node_id)
             for attribute in node.attributes:
                 produce = self.value_of(obj, attribute.name) if obj is not None else None
                 if produce is not None:
