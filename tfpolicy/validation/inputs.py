@@ -210,27 +210,10 @@ def batches_from(
 
     An iterable (a list, a generator, a ``tf.data.Dataset``) yields one batch per
     element: a dict of arrays or tensors, or an ``(inputs, labels)`` pair whose
-    first item is such a dict. Strings become bytes arrays.
+    first item is such a dict. Strings become bytes arrays. All are read now
+    (:class:`BatchStream` reads them as they are used).
     """
-    if isinstance(source, (str, os.PathLike)):
-        arrays = load_npz(source, what=what)
-        batches = list(iter_batches(arrays, batch_size))
-    elif isinstance(source, Mapping):
-        arrays = {name: _normalized(_to_numpy(value), f"{what}: input '{name}'") for name, value in source.items()}
-        batches = list(iter_batches(arrays, batch_size))
-    elif isinstance(source, Iterable):
-        batches = []
-        for position, element in enumerate(source):
-            if max_batches is not None and len(batches) >= max_batches:
-                break
-            batches.append(_element_arrays(element, f"{what}: element {position}"))
-    else:
-        raise InputDataError(
-            f"{what} must be an .npz path, a dict of arrays or an iterable of dicts, not {type(source).__name__}"
-        )
-    if not batches:
-        raise InputDataError(f"{what} holds no examples")
-    return batches[:max_batches] if max_batches is not None else batches
+    return list(BatchStream(source, what=what, batch_size=batch_size, max_batches=max_batches))
 
 
 class BatchStream:
