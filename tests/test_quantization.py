@@ -128,9 +128,38 @@ def _variables_bytes(saved_model_dir) -> int:
     return sum(p.stat().st_size for p in (saved_model_dir / "variables").iterdir())
 
 
-def test_int8_cnn_error_is_bounded(zoo, outputs):
+def test_int8_cnn_keeps_its_convolutions_in_the_source_policy_as_keras_does(zoo, tmp_path):
+    """Keras's ``model.quantize("int8")`` warns and skips Conv2D/DepthwiseConv2D; so does the rewrite.
+
+    The head is quantized, the convolutions compute in bfloat16 from float32
+    variables, and the output is Keras's bit for bit (both run as graphs:
+    grappler fuses Conv2D + BiasAdd + ReLU, which eager Keras rounds apart).
+    """
     model = zoo.get("keras3_cnn")
-    out, report = outputs.get("keras3_cnn", CNN_MAP, "cnn")
+    report = tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", CNN_MAP)
+    declined = {d["op"]: d["reason"] for q in report.quantization.values() for d in q.declined_ops}
+    assert sorted(declined) == ["Conv2D", "DepthwiseConv2dNative"]
+    assert all(reason.startswith("Keras has no int8 convolution") for reason in declined.values())
+    assert any("--int8_convolutions" in w for w in report.warnings)
+    assert {path: q.ops_quantized for path, q in report.quantization.items()} == {"conv": 0, "depthwise": 0, "head": 1}
+    ours = _variables(tmp_path / "out")  # the variables the rewrite made or retyped
+    assert "head/kernel" in ours and not any(name.startswith(("conv/", "depthwise/")) for name in ours)
+
+    keras_model = model.rebuild()
+    apply_policy_map_natively(keras_model, keras.dtype_policies.DTypePolicyMap("mixed_bfloat16"))
+    with pytest.warns(UserWarning, match="Conv2D does not have a `quantize"):
+        keras_model.quantize("int8", filters=r"^(conv|depthwise|head)$")
+    image = model.sample_inputs["serving_default"]["image"]
+    spec = tf.TensorSpec((None, *image.shape[1:]), tf.float32)
+    y_keras = tf.function(lambda t: keras_model(t), input_signature=[spec])(tf.constant(image)).numpy()
+    y_tool = _single_output(model, tmp_path / "out")
+    assert np.abs(y_tool - _single_output(model, model.saved_model_dir)).max() > 0
+    np.testing.assert_array_equal(y_tool, y_keras.astype(np.float32))
+
+
+def test_int8_convolutions_opt_in_stores_their_kernels_in_int8(zoo, outputs):
+    model = zoo.get("keras3_cnn")
+    out, report = _case(outputs, "cnn")
     y_fp32 = _single_output(model, model.saved_model_dir)
     y_tool = _single_output(model, out)
     error = float(np.abs(y_tool - y_fp32).max())
@@ -231,7 +260,7 @@ def test_recalibration_survives_save_and_reload(zoo, outputs, tmp_path):
 CASES = {
     "int8": ("keras3_quantizable", INT8_MAP, {}),
     "float8": ("keras3_quantizable", FLOAT8_MAP, {"calibration_data": [{"tokens": np.arange(40, dtype=np.int32).reshape(8, 5) % 20}]}),
-    "cnn": ("keras3_cnn", CNN_MAP, {}),
+    "cnn": ("keras3_cnn", CNN_MAP, {"int8_convolutions": True}),
 }
 
 

@@ -43,10 +43,11 @@ def explain(
     signatures: Optional[Sequence[str]] = None,
     strict: bool = False,
     target: Optional[str] = None,
+    int8_convolutions: bool = False,
 ) -> Report:
     """Everything :func:`rewrite` would do, without writing anything."""
     check_target_name(target)
-    return _run(pathlib.Path(input_dir), None, policy_map, signatures, strict, target).report
+    return _run(pathlib.Path(input_dir), None, policy_map, signatures, strict, target, int8_convolutions).report
 
 
 def rewrite(
@@ -63,6 +64,7 @@ def rewrite(
     calibration_progress: Optional[Callable[[int, int], None]] = None,
     target: Optional[str] = None,
     serving_checks: bool = True,
+    int8_convolutions: bool = False,
 ) -> Report:
     """Write a copy of the SavedModel at ``input_dir`` with ``policy_map`` applied.
 
@@ -83,6 +85,12 @@ def rewrite(
     to XLA before it is renamed into place (see :mod:`tfpolicy.serving.checks`);
     ``report.serving_checks`` holds the outcome.
 
+    The convolutions of an int8 layer stay in its source policy, as Keras's
+    ``model.quantize`` leaves them (Keras has no int8 convolution), unless
+    ``int8_convolutions``: then their kernels are stored in int8 and read
+    dequantized, and their inputs quantize-dequantized. That saves storage, not
+    time (TensorFlow has no integer convolution), and adds error.
+
     Raises a :class:`~tfpolicy.errors.TfPolicyError` for every user error,
     before anything is written. The input directory is never modified.
     """
@@ -91,7 +99,7 @@ def rewrite(
     savedmodel_io.check_input_dir(input_path)
     savedmodel_save.check_output_dir(input_path, output_path, overwrite)
     batches = _calibration_batches(calibration_data, calibration_batch_size, calibration_batches)
-    state = _run(input_path, output_path, policy_map, signatures, strict, target)
+    state = _run(input_path, output_path, policy_map, signatures, strict, target, int8_convolutions)
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
     built = assemble.assemble(
         state.model, state.variable_dtypes, state.new_variables, state.passes.new_captures, state.passes.calibration
@@ -148,7 +156,7 @@ class _State:
     integer_limits: dict[str, dict[str, int]]  # signature -> input -> tables' smallest size
 
 
-def _run(input_path, output_path, policy_map, signatures, strict, target=None) -> _State:
+def _run(input_path, output_path, policy_map, signatures, strict, target=None, int8_convolutions=False) -> _State:
     """Load, index, plan and run the passes."""
     policy = PolicyMap.load(policy_map)
     logger.info("loading %s", input_path)
@@ -159,7 +167,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None) -
     the_plan = make_plan(policy, index, outside)
     check_target(the_plan, target)
     _refuse_unsupported_modes(the_plan)
-    qplan = quant_sites.analyze(model, index, the_plan)
+    qplan = quant_sites.analyze(model, index, the_plan, int8_convolutions)
     warnings = the_plan.unused_key_warnings()
     for name, count in sorted(index.shared_names.items()):
         warnings.append(

@@ -22,12 +22,14 @@ CPU cores in minutes): keras_hub ``BertBackbone``, ``DistilBertBackbone``,
 sequence 32); keras.applications ``ResNet50``, ``MobileNetV3Small``,
 ``ConvNeXtTiny`` (64x64x3, 10 classes, logits, BatchNorm statistics set from
 data); tf-keras ``MobileNetV2``. The maps: all ``mixed_bfloat16``;
-``int8_from_mixed_bfloat16`` on every Dense/EinsumDense/Conv layer;
+``int8_from_mixed_bfloat16`` on every Dense/EinsumDense/Conv layer (whose
+convolutions both Keras and tfpolicy keep in ``mixed_bfloat16``, Keras having
+no int8 convolution), and ``int8conv``, the same map with
+``int8_convolutions=True`` (CNNs only; the Keras side still keeps them);
 ``int4/128_from_mixed_bfloat16`` on the Dense/EinsumDense layers;
 ``float8_from_mixed_bfloat16`` (history 16) on the Dense/EinsumDense layers,
 calibrated; and a per-layer mix of exact and regex keys over the model's real
-layer paths. Keras cannot quantize convolutions: for those layers the Keras
-side keeps the source policy (``mixed_bfloat16``).
+layer paths.
 
 The module is also the tests' real-model zoo (``tests/test_real_models.py``).
 """
@@ -55,7 +57,9 @@ IMAGE = (64, 64, 3)
 BATCH = 4
 CALIBRATION_BATCHES = 4
 MODELS = ("bert", "distilbert", "gpt2", "llama", "resnet50", "mobilenetv3small", "convnexttiny", "tfkeras_mobilenetv2")
-MAPS = ("bf16", "int8", "int4", "float8", "mix")
+MAPS = ("bf16", "int8", "int8conv", "int4", "float8", "mix")
+# The maps' rewrite options: int8conv is int8's map with the convolutions quantized too.
+REWRITE_OPTIONS = {"int8conv": {"int8_convolutions": True}}
 INT4_POLICY = "int4/128_from_mixed_bfloat16"  # Keras's default int4 block, as its setter quantizes
 FLOAT8_POLICY = {"name": "float8_from_mixed_bfloat16", "amax_history_length": 16}
 DENSE_CLASSES = ("Dense", "EinsumDense")
@@ -249,7 +253,7 @@ def policy_map(model: RealModel, which: str) -> dict:
     conv = sorted(p for p, c in model.layers.items() if c in CONV_CLASSES)
     if which == "bf16":
         return {"default_policy": "mixed_bfloat16"}
-    if which == "int8":
+    if which in ("int8", "int8conv"):
         return {"default_policy": "mixed_bfloat16",
                 "policy_map": {p: "int8_from_mixed_bfloat16" for p in dense + conv}}
     if which == "int4":
@@ -265,12 +269,16 @@ def policy_map(model: RealModel, which: str) -> dict:
     raise KeyError(f"no map {which!r}; known: {', '.join(MAPS)}")
 
 
-def quantizes_convolutions(model: RealModel, plain: dict) -> bool:
-    """Whether ``plain`` quantizes a convolution, which Keras cannot (it keeps the source policy)."""
-    return any(
-        model.layers.get(key) in CONV_CLASSES and "_from_" in str(policy)
-        for key, policy in plain.get("policy_map", {}).items()
+def quantizes_convolutions(model: RealModel, which: str) -> bool:
+    """Whether map ``which`` quantizes a convolution, which Keras cannot (it keeps the source policy)."""
+    return REWRITE_OPTIONS.get(which, {}).get("int8_convolutions", False) and any(
+        model.layers.get(key) in CONV_CLASSES for key in policy_map(model, which).get("policy_map", {})
     )
+
+
+def applies(model: RealModel, which: str) -> bool:
+    """Whether map ``which`` means something on ``model`` (int8conv: a model with convolutions)."""
+    return which != "int8conv" or quantizes_convolutions(model, which)
 
 
 def _escape(path: str) -> str:
@@ -371,7 +379,7 @@ class Row:
     e_keras: Optional[float] = None
     rewrite_s: Optional[float] = None
     floor_s: Optional[float] = None
-    keras_keeps_convolutions: bool = False  # int8 on convolutions, which Keras cannot quantize
+    keras_keeps_convolutions: bool = False  # int8conv: convolutions quantized, which Keras cannot
 
     @property
     def ratio(self) -> Optional[float]:
@@ -402,7 +410,7 @@ def measure(model: RealModel, which: str, workdir: pathlib.Path, floor_s: Option
     try:
         tfpolicy.rewrite(
             model.saved_model_dir, out, plain, overwrite=True,
-            calibration_data=model.calibration if which == "float8" else None,
+            calibration_data=model.calibration if which == "float8" else None, **REWRITE_OPTIONS.get(which, {}),
         )
     except tfpolicy.TfPolicyError as exc:
         return Row(model.name, which, f"error: {exc}")
@@ -410,7 +418,7 @@ def measure(model: RealModel, which: str, workdir: pathlib.Path, floor_s: Option
     y_ref = run_saved_model(model.saved_model_dir, model.inputs)
     y_tool = run_saved_model(out, model.inputs)
     row = Row(model.name, which, "ok", relative_error(y_tool, y_ref), None, rewrite_s, floor_s,
-              which == "int8" and quantizes_convolutions(model, plain))
+              quantizes_convolutions(model, which))
     if not all(np.isfinite(v).all() for v in y_tool.values()):
         row.ok = "non-finite output"
     if model.rebuild is not None:
@@ -467,7 +475,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"building {name}", file=sys.stderr, flush=True)
         model = build(name, workdir / name)
         floor = load_and_save_seconds(model, workdir)
-        for which in args.maps.split(","):
+        for which in (m for m in args.maps.split(",") if applies(model, m)):
             rows.append(measure(model, which, workdir, floor))
             print(_format(rows[-1:], False), file=sys.stderr, flush=True)
     print(_format(rows, args.markdown))

@@ -120,6 +120,8 @@ RULES: dict[str, Callable[[Node], list[Contraction]]] = {
 }
 assert set(RULES) == tf_names.CONTRACTION_OPS | {"GatherV2", "ResourceGather"}, "a rule per contraction op"
 FLOAT8_KINDS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
+CONVOLUTION_OPS = frozenset({"Conv2D", "DepthwiseConv2dNative", "Conv2DBackpropInput"})
+assert CONVOLUTION_OPS | FLOAT8_KINDS == tf_names.CONTRACTION_OPS, "every contraction a matmul or a convolution"
 
 
 MATMUL_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})

@@ -46,6 +46,7 @@ from tfpolicy.analysis.quant_records import (
 )
 from tfpolicy.analysis.quant_rules import (
     CALL_OPS,
+    CONVOLUTION_OPS,
     FLOAT8_KINDS,
     INTEGER_MODES,
     MATMUL_OPS,
@@ -70,8 +71,12 @@ logger = logging.getLogger(__name__)
 # -- analysis ----------------------------------------------------------------------
 
 
-def analyze(model: LoadedModel, index: LayerIndex, plan: Plan) -> QuantPlan:
-    """Find every site of every quantized layer; decide variables; never edits."""
+def analyze(model: LoadedModel, index: LayerIndex, plan: Plan, int8_convolutions: bool = False) -> QuantPlan:
+    """Find every site of every quantized layer; decide variables; never edits.
+
+    An int8 convolution is declined, as Keras's ``model.quantize`` leaves
+    convolutions in their source policy, unless ``int8_convolutions``.
+    """
     sites: list[Site] = []
     declined: list[Declined] = []
     for program in model.signatures.values():
@@ -85,7 +90,7 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan) -> QuantPlan:
                 if node.op in ("GatherV2", "ResourceGather") and not _gathers_floats(node):
                     continue  # a shape or index lookup, not an embedding
                 found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index, bodies,
-                               layer_plan.block_size)
+                               layer_plan.block_size, int8_convolutions)
                 if isinstance(found, Site):
                     found = dataclasses.replace(found, compute_dtype=layer_plan.compute_enum)
                 (sites if isinstance(found, Site) else declined).append(found)
@@ -124,7 +129,7 @@ def control_flow_bodies(graphs: list[Graph]) -> frozenset[str]:
 
 
 def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, index: LayerIndex,
-           bodies: frozenset[str] = frozenset(), block_size: "int | None" = None):
+           bodies: frozenset[str] = frozenset(), block_size: "int | None" = None, int8_convolutions: bool = False):
     def decline(reason: str) -> Declined:
         return Declined(layer, mode, node.name, node.op, reason)
 
@@ -140,6 +145,9 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
         return decline("int4 inside a called function, whose signature cannot take the packed kernel")
     if mode == "int4" and node.op not in FLOAT8_KINDS | {"GatherV2", "ResourceGather"}:
         return decline(f"Keras quantizes int4 in Dense, EinsumDense and Embedding layers; no int4 {node.op}")
+    if mode == "int8" and node.op in CONVOLUTION_OPS and not int8_convolutions:
+        return decline("Keras has no int8 convolution; int8_convolutions=True (--int8_convolutions)"
+                       " stores the kernel in int8")
     candidates = RULES[node.op](node)
     if not candidates:
         return decline(f"{node.op} form not supported ({_describe(node)})")

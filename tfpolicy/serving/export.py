@@ -73,6 +73,7 @@ def export(
     strict: bool = False,
     target: Optional[str] = None,
     serving_checks: bool = True,
+    int8_convolutions: bool = False,
 ) -> pathlib.Path:
     """Rewrite ``input_dir`` with ``policy_map`` into ``export_base/<version>``; return that path.
 
@@ -81,13 +82,13 @@ def export(
     ``warmup_examples`` (an npz path, a dict of arrays or an iterable of dicts)
     become ``assets.extra/tf_serving_warmup_requests``: an npz file or a dict
     gives one request per row, an iterable one request per element.
-    ``calibration_data`` is passed on to :func:`tfpolicy.rewrite` (and
-    ``calibration_batches`` by :func:`export_with_report`).
+    ``calibration_data`` and ``int8_convolutions`` are passed on to
+    :func:`tfpolicy.rewrite` (and ``calibration_batches`` by :func:`export_with_report`).
     """
     return export_with_report(
         input_dir, export_base, policy_map, version=version, calibration_data=calibration_data,
         warmup_examples=warmup_examples, signatures=signatures, strict=strict, target=target,
-        serving_checks=serving_checks,
+        serving_checks=serving_checks, int8_convolutions=int8_convolutions,
     ).path
 
 
@@ -107,6 +108,7 @@ def export_with_report(
     validate: bool = False,
     validation_data: Optional[inputs.InputSource] = None,
     max_error: Optional[float] = None,
+    int8_convolutions: bool = False,
 ) -> ExportResult:
     """:func:`export`, returning the report too; with ``validate``, validates before publishing.
 
@@ -132,7 +134,7 @@ def export_with_report(
             options["calibration_batches"] = calibration_batches
         report = tfpolicy.rewrite(
             input_path, staged, policy_map, signatures=signatures, strict=strict, target=target,
-            serving_checks=serving_checks, **options,
+            serving_checks=serving_checks, int8_convolutions=int8_convolutions, **options,
         )
         if requests:
             write_warmup_requests(staged, requests, model_name=base.resolve().name)
