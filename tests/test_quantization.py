@@ -437,3 +437,42 @@ def test_a_tf_data_dataset_calibrates_like_a_list_of_batches(zoo, tmp_path):
     dataset_history, list_history = from_dataset["dense/inputs_amax_history"], from_list["dense/inputs_amax_history"]
     assert (dataset_history[-2], dataset_history[-1]) == (list_history[-1], list_history[0]) and list_history[0] > 0
     assert from_dataset["dense/inputs_scale"] != 1.0
+
+
+def _conv_zoo_model() -> "keras.Model":
+    """Conv1D (its kernel reaches Conv2D through ExpandDims), a grouped Conv2D (Keras runs it in a called
+    ``_conv_xla`` function) and Conv2DTranspose (Conv2DBackpropInput)."""
+    signal = keras.Input(shape=(16, 4), name="signal")
+    x = keras.layers.Conv1D(8, 3, padding="same", activation="relu", name="conv1d")(signal)
+    x = keras.layers.Reshape((4, 4, 8), name="to_image")(x)
+    x = keras.layers.Conv2D(8, 3, padding="same", groups=2, name="grouped")(x)
+    x = keras.layers.Conv2DTranspose(4, 3, strides=2, padding="same", name="up")(x)
+    return keras.Model(signal, keras.layers.GlobalAveragePooling2D(name="pool")(x))
+
+
+@pytest.mark.parametrize("int8_convolutions", [False, True])
+def test_int8_convolution_kinds(tmp_path, int8_convolutions):
+    """Declined by default; with int8_convolutions every kind stores an int8 kernel and still serves."""
+    keras.utils.set_random_seed(7)
+    model = _conv_zoo_model()
+    model.export(str(tmp_path / "in"), verbose=False)
+    layers = ("conv1d", "grouped", "up")
+    policy = {"default_policy": "mixed_bfloat16", "policy_map": {"|".join(layers): INT8}}
+    report = tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", policy, int8_convolutions=int8_convolutions)
+    assert all(s.tf1_ran and s.xla_compiles for s in report.serving_checks.signatures)
+    quantized = {path: report.quantization[path].ops_quantized for path in layers}
+    x = np.random.default_rng(0).normal(size=(3, 16, 4)).astype(np.float32)
+    y_fp32 = run_signature(tmp_path / "in", "serving_default", {"signal": x})
+    y_tool = run_signature(tmp_path / "out", "serving_default", {"signal": x})
+    error = max(float(np.abs(y_tool[k] - y_fp32[k]).max()) for k in y_fp32)
+    scale = max(float(np.abs(v).max()) for v in y_fp32.values())
+    if not int8_convolutions:
+        assert quantized == {"conv1d": 0, "grouped": 0, "up": 0}
+        assert not hasattr(tf.saved_model.load(str(tmp_path / "out")), "tfpolicy")  # no variable made or retyped
+        assert 0 < error <= 0.01 * scale  # bfloat16's error
+        return
+    assert all(n >= 1 for n in quantized.values()), quantized
+    ours = _variables(tmp_path / "out")
+    assert {ours[f"{path}/kernel"].dtype for path in layers} == {np.dtype(np.int8)}
+    assert ours["conv1d/kernel"].shape == (3, 4, 8) and ours["conv1d/kernel_scale"].shape == (8,)
+    assert 0 < error <= 0.05 * scale
