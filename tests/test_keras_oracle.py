@@ -221,3 +221,31 @@ def test_explained_paths_are_kerass_layer_paths(zoo, name):
     shown = {row.path for row in tfpolicy.explain(model.saved_model_dir, {"default_policy": "float32"}).plan.rows() if row.path}
     assert keras_paths - containers <= shown
     assert shown - keras_paths <= pathless_named, shown - keras_paths
+
+
+def _pooling_model() -> "keras.Model":
+    """Global average pooling (Keras's ``ops.mean``: float32 inside, cast back) first, between two float32
+    normalisation layers and last: where its neighbours compute in float32 too, its roundings show."""
+    image = keras.Input(shape=(6, 6, 4), name="image")
+    pooled = keras.layers.GlobalAveragePooling2D(keepdims=True, name="pool_in")(image)
+    x = keras.layers.Conv2D(8, 3, padding="same", name="conv")(keras.layers.Add(name="add")([image, pooled]))
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    x = keras.layers.LayerNormalization(epsilon=1e-6, name="ln")(x)
+    x = keras.layers.Reshape((2, 4), name="rows")(keras.layers.Dense(8, name="head")(x))
+    return keras.Model(image, keras.layers.GlobalAveragePooling1D(name="pool_out")(x))
+
+
+@pytest.mark.parametrize("default_policy", ["mixed_bfloat16", "mixed_float16"])
+def test_global_average_pooling_rounds_as_keras_does(tmp_path, default_policy):
+    keras.utils.set_random_seed(3)
+    model = _pooling_model()
+    model.export(str(tmp_path / "in"), verbose=False)
+    tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", {"default_policy": default_policy})
+    native = _built_under(default_policy, _pooling_model)
+    native.set_weights(model.get_weights())
+    x = np.random.default_rng(0).normal(size=(3, 6, 6, 4)).astype(np.float32)
+    spec = tf.TensorSpec((None, 6, 6, 4), tf.float32)
+    y_keras = tf.function(lambda t: native(t, training=False), input_signature=[spec])(tf.constant(x))
+    y_tool = _run_single_input(tmp_path / "out", x)
+    assert np.abs(y_tool - _run_single_input(tmp_path / "in", x)).max() > 0
+    np.testing.assert_array_equal(y_tool, np.asarray(y_keras, dtype=np.float32))

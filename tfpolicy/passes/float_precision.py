@@ -19,8 +19,9 @@ cannot show):
 * normalisation layers (LayerNormalization, BatchNormalization, RMSNorm as
   keras_hub writes it: any layer whose own ops take an ``Rsqrt``);
 * :data:`FLOAT32_OPS`, the exponentials and logarithms that grappler's
-  auto_mixed_precision denies, and Mean, as Keras's ``ops.mean`` (not
-  Softmax, which Keras computes in the layer's dtype);
+  auto_mixed_precision denies, and Mean, as Keras's ``ops.mean``, which also
+  rounds its input and its result to the layer's dtype (not Softmax, which
+  Keras computes in the layer's dtype);
 * float math computed only from integer tensors and constants (rotary and
   position embeddings, masks: ``cast(positions) * inverse_frequency``);
 * ops with no kernel for the dtype, ops on resources and function calls.
@@ -111,6 +112,7 @@ class FloatPrecisionPass(CastBuilder):
         self._promoted: set[str] = set()
         self._constant_copies: dict[str, list[str]] = {}  # Const -> its converted copies
         self._normalization_layers: frozenset[Optional[str]] = frozenset()
+        self._kept_means: dict[str, int] = {}  # Mean kept in float32 -> its layer's compute dtype
 
     # -- entry point -----------------------------------------------------------
 
@@ -128,6 +130,8 @@ class FloatPrecisionPass(CastBuilder):
             self._fix_inputs(node)
         for key, ref in list(graph.outputs.items()):
             want = output_dtypes[key]
+            for dtype in self._mean_roundings(ref):
+                ref = self._cast(ref, dtype)
             if graph.tensor_dtype(ref) != want:
                 graph.outputs[key] = self._cast(ref, want)
         self._fold_constant_copies()
@@ -214,6 +218,8 @@ class FloatPrecisionPass(CastBuilder):
             return
         if node.op in FLOAT32_OPS:
             self.stats.decline(layer, f"{node.op} kept in float32, as grappler keeps it")
+            if node.op == "Mean":
+                self._kept_means[node.name] = target
             return
         if node.name in self._attention_softmax:
             self.stats.decline(layer, ATTENTION_SOFTMAX)
@@ -315,7 +321,7 @@ class FloatPrecisionPass(CastBuilder):
         for position, ref in list(node.data_inputs()):
             have = self.graph.tensor_dtype(ref)
             want = wants[position]
-            if have != want and have in FLOAT_DTYPES and want in FLOAT_DTYPES:
+            if have in FLOAT_DTYPES and want in FLOAT_DTYPES and (have != want or self._mean_roundings(ref, node)):
                 self._note_entry(ref, node, have)
                 for dtype in self._casts_on_the_way(ref, node):
                     if self.graph.tensor_dtype(ref) != dtype and dtype != DT_FLOAT:
@@ -341,7 +347,7 @@ class FloatPrecisionPass(CastBuilder):
         projection inside a bfloat16 attention layer sees its input rounded to
         bfloat16 and then to float16. Rounding twice is not rounding once.
         """
-        found = self._normalization_returns(ref, consumer)
+        found = self._mean_roundings(ref, consumer) + self._normalization_returns(ref, consumer)
         inside = self._layer(consumer)
         if inside is None:
             return found
@@ -353,6 +359,25 @@ class FloatPrecisionPass(CastBuilder):
                 continue  # the value is already inside this layer
             if ancestor in self.plan.layers and not self.plan.for_layer(ancestor).is_normalization:
                 found.append(self.plan.for_layer(ancestor).compute_enum)
+        return found
+
+    def _mean_roundings(self, ref: TensorRef, consumer: Optional[Node] = None) -> list[int]:
+        """The roundings Keras's ``ops.mean`` makes around a Mean kept in float32.
+
+        In a bfloat16 layer it averages in float32 what entered the layer
+        autocast to bfloat16, and casts the mean back to bfloat16. Where the
+        neighbour computes in float32 as well (a LayerNormalization after
+        global average pooling, a float32 signature input or output), no
+        retyped op rounds for it, so the casts are made explicit.
+        """
+        found = []
+        producer = self.graph.producer(ref)
+        if producer.name in self._kept_means:
+            found.append(self._kept_means[producer.name])
+        if consumer is not None and consumer.name in self._kept_means:
+            layer = self._layer(consumer)
+            if layer is not None and not within(self._layer(producer), layer):
+                found.append(self._kept_means[consumer.name])
         return found
 
     def _normalization_returns(self, ref: TensorRef, consumer: Optional[Node] = None) -> list[int]:
