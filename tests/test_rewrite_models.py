@@ -114,8 +114,13 @@ def test_graph_structure(rewritten, name):
                 assert node.attr["T"].type == tf.bfloat16.as_datatype_enum, (function, node.name)
                 matmuls += 1
             if node.op == "Cast":
+                # A Cast of a Cast only after a rounding one (float32 -> bfloat16 -> float32,
+                # as Keras rounds an embedding's output before its pooling's float32 mean).
                 source = by_name.get(node.input[0].lstrip("^").split(":")[0])
-                assert source is None or source.op != "Cast", f"Cast feeds Cast: {source.name} -> {node.name}"
+                rounding = source is not None and source.op == "Cast" and (
+                    source.attr["SrcT"].type, source.attr["DstT"].type) == (tf.float32.as_datatype_enum,
+                                                                            tf.bfloat16.as_datatype_enum)
+                assert source is None or source.op != "Cast" or rounding, f"Cast feeds Cast: {source.name} -> {node.name}"
     if name not in ("keras3_string_lookup",):
         assert matmuls > 0
     bfloat16_casts = sum(
