@@ -9,7 +9,10 @@ server (own output base, shut down at the end) on this interpreter
 * ``tfpolicy_test`` passes with the example's bound, and fails (exit 3, one
   FAIL line) with a bound below the error it measured;
 * a missing SavedModel fails the build with tfpolicy's one-line error;
-* ``calibration_data`` reaches the CLI's ``--calibration_data``.
+* ``calibration_data`` reaches the CLI's ``--calibration_data``;
+* ``target`` and ``int8_convolutions`` reach ``--target`` and
+  ``--int8_convolutions`` (read from ``bazel aquery``), and ``target = "tpu"``
+  refuses a float8 map with tfpolicy's one-line error.
 
 This file is not a Bazel target (tests/BUILD leaves it out): a Bazel server
 started from inside a Bazel test's sandbox is awkward and slow. pytest runs it;
@@ -190,3 +193,47 @@ def test_calibration_data_reaches_the_cli(workspace: Workspace) -> None:
     errors = [line for line in broken.stderr.splitlines() if line.startswith("tfpolicy: error:")]
     assert len(errors) == 1 and "broken.npz" in errors[0], describe(broken)
     assert "Traceback" not in broken.stderr
+
+
+def test_target_and_int8_convolutions_reach_the_cli(workspace: Workspace) -> None:
+    (workspace.root / "int8.json").write_text(
+        '{"default_policy": "mixed_bfloat16", "policy_map": {"dense": "int8_from_mixed_bfloat16"}}\n'
+    )
+    (workspace.root / "float8_dense.json").write_text(
+        '{"default_policy": "mixed_bfloat16", "policy_map": {"dense": "float8_from_mixed_bfloat16"}}\n'
+    )
+    for name, policy_map in (("mlp_int8_tpu", "int8.json"), ("mlp_float8_tpu", "float8_dense.json")):
+        workspace.append_build(
+            "tfpolicy_rewrite(\n"
+            f'    name = "{name}",\n'
+            '    int8_convolutions = True,\n'
+            f'    policy_map = "{policy_map}",\n'
+            '    saved_model = "@tfpolicy//examples/mlp:saved_model",\n'
+            '    target = "tpu",\n'
+            ")\n"
+        )
+    workspace.append_build(
+        "tfpolicy_test(\n"
+        '    name = "mlp_int8_tpu_test",\n'
+        '    int8_convolutions = True,\n'
+        "    max_error = 0.1,\n"
+        '    policy_map = "int8.json",\n'
+        '    saved_model = "@tfpolicy//examples/mlp:saved_model",\n'
+        '    target = "tpu",\n'
+        ")\n"
+    )
+    for target in ("//:mlp_int8_tpu", "//:mlp_int8_tpu_test_rewritten"):
+        actions = workspace.bazel("aquery", f"mnemonic(TfPolicyRewrite, {target})")
+        assert actions.returncode == 0, describe(actions)
+        arguments = re.search(r"Command Line: \(exec (.*)\)", actions.stdout, re.DOTALL)
+        assert arguments, describe(actions)
+        words = arguments[1].replace("\\\n", " ").split()  # one argument per line, continued with "\\"
+        assert words[words.index("--target") + 1] == "tpu" and "--int8_convolutions" in words, describe(actions)
+    built = workspace.bazel("build", "//:mlp_int8_tpu")  # the CLI accepts both flags
+    assert built.returncode == 0, describe(built)
+    assert (workspace.root / "bazel-bin" / "mlp_int8_tpu" / "saved_model.pb").is_file()
+    refused = workspace.bazel("build", "//:mlp_float8_tpu")  # a TPU has no float8
+    assert refused.returncode != 0, describe(refused)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("tfpolicy: error:")]
+    assert len(errors) == 1 and errors[0].startswith("tfpolicy: error: --target tpu:") and "float8" in errors[0], describe(refused)
+    assert "Traceback" not in refused.stderr

@@ -46,6 +46,10 @@ def _tfpolicy_rewrite_impl(ctx):
     if ctx.file.calibration_data:
         args.add("--calibration_data", ctx.file.calibration_data)
         inputs.append(ctx.file.calibration_data)
+    if ctx.attr.target:
+        args.add("--target", ctx.attr.target)
+    if ctx.attr.int8_convolutions:
+        args.add("--int8_convolutions")
     args.add_all(["--overwrite", "--quiet"])  # Bazel creates the output directory first
     args.add(_saved_model_dir(saved_model, ctx.attr.saved_model.label))
     args.add(output.path)
@@ -78,6 +82,16 @@ tfpolicy_rewrite = rule(
             allow_single_file = [".npz"],
             doc = "Optional calibration batches, passed as --calibration_data.",
         ),
+        "target": attr.string(
+            values = ["", "gpu", "tpu", "cpu"],
+            doc = "The serving target, passed as --target: \"tpu\" refuses float16 and float8 and" +
+                  " fails the build when a signature does not compile under XLA.",
+        ),
+        "int8_convolutions": attr.bool(
+            default = False,
+            doc = "Also store the convolution kernels of int8 layers in int8 (--int8_convolutions);" +
+                  " Keras leaves them in the source policy.",
+        ),
         "_rewrite": attr.label(
             default = Label("//tools/bazel:rewrite"),
             executable = True,
@@ -94,6 +108,8 @@ def tfpolicy_test(
         calibration_data = None,
         validation_data = None,
         seed = 0,
+        target = None,
+        int8_convolutions = False,
         **kwargs):
     """A test that rewrites `saved_model` and validates the result against it.
 
@@ -110,6 +126,8 @@ def tfpolicy_test(
       calibration_data: optional, as for tfpolicy_rewrite.
       validation_data: optional .npz of inputs keyed by input name, batch first.
       seed: seed of the generated inputs.
+      target: optional serving target, as for tfpolicy_rewrite.
+      int8_convolutions: as for tfpolicy_rewrite.
       **kwargs: passed to the py_test (size, tags, timeout, ...).
     """
     rewritten = name + "_rewritten"
@@ -118,6 +136,8 @@ def tfpolicy_test(
         saved_model = saved_model,
         policy_map = policy_map,
         calibration_data = calibration_data,
+        target = target or "",
+        int8_convolutions = int8_convolutions,
         testonly = True,
         tags = kwargs.get("tags", []),
         visibility = ["//visibility:private"],
