@@ -132,9 +132,28 @@ def test_signatures_that_compute_the_same_are_checked_once(zoo, tmp_path, monkey
     assert distinct["decode"] != distinct["serving_default"]
 
     compiled = []
-    original = serving_checks.compile_xla
-    monkeypatch.setattr(serving_checks, "compile_xla", lambda *a, **k: compiled.append(a[1]) or original(*a, **k))
+    original = serving_checks.prepare_xla
+    monkeypatch.setattr(serving_checks, "prepare_xla", lambda *a, **k: compiled.append(a[0]) or original(*a, **k))
     checks = serving_checks.run(out)
     assert [(s.signature, s.tf1_ran, s.xla_compiles) for s in checks.signatures] == [
         ("serve", True, True), ("serving_default", True, True)]
     assert compiled == ["serve"]
+
+
+def test_xla_check_lowers_functions_whose_variables_have_no_value_yet(zoo, monkeypatch):
+    """What the rewrite does while it saves: the output's variables have no value, and none is made."""
+    from tfpolicy.core import savedmodel_io  # noqa: PLC0415
+
+    model = savedmodel_io.load(pathlib.Path(zoo.get("keras3_transformer").saved_model_dir), streamed=True)
+    variables = [v for v in model.variables if not v.is_initialized()]
+    assert variables, "a streamed load restores no value"
+    function = model.root.signatures["serving_default"]
+    prepared = []
+    original = serving_checks.prepare_xla
+    monkeypatch.setattr(serving_checks, "prepare_xla", lambda *a, **k: prepared.append(a[0]) or original(*a, **k))
+    with serving_checks.XlaCheck({"serving_default": function, "alias": function}, serving_checks.CheckInputs({}, {}, 0)) as xla:
+        outcomes = xla.outcomes()
+    assert outcomes == {"alias": (True, (), ""), "serving_default": (True, (), "")}
+    assert prepared == ["alias"]  # one function object, lowered once
+    assert xla.seconds > 0
+    assert not any(v.is_initialized() for v in variables)

@@ -153,6 +153,30 @@ def test_variable_checkpoint_keys_are_the_keys_a_save_gives(tmp_path):
     assert predicted == saved
 
 
+def test_a_function_reading_variables_without_values_lowers_to_hlo_through_stand_ins():
+    """TensorFlow refuses to lower a function whose variables have no value; stand-ins of their dtype and shape do."""
+    kernel = tf_internals.uninitialized_variable((4, 3), tf.bfloat16, "kernel")
+    table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(["a"], [1]), default_value=0)
+    valued = tf.Variable(np.ones((3,), np.float32))
+
+    @tf.function(jit_compile=True)
+    def forward(x):
+        return tf.cast(tf.matmul(tf.cast(x, tf.bfloat16), kernel), tf.float32) + valued
+
+    x = tf.ones((2, 4))
+    with pytest.raises(ValueError, match="uninitialized"):
+        forward.experimental_get_compiler_ir(x)(stage="hlo")
+    stand_in = tf_internals.value_free_stand_in(kernel.handle)
+    assert (stand_in.dtype, stand_in.shape) == (tf.bfloat16, tf.TensorShape((4, 3)))
+    assert tf_internals.value_free_stand_in(valued.handle) is None  # has its value: lowered as it is
+    assert tf_internals.value_free_stand_in(table.resource_handle) is None  # not a variable
+    traced = forward.get_concrete_function(x)
+    captured = [stand_in.handle if h is kernel.handle else h for h in traced.captured_inputs]
+    hlo = tf_internals.lower_to_hlo(traced, [x], captured)
+    assert "bf16[4,3]" in hlo and "dot(" in hlo
+    assert not kernel.is_initialized()  # nothing was given a value
+
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfpolicy"
 
 

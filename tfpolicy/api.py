@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -26,8 +27,8 @@ from tfpolicy.passes.calibration import CalibrationPass
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
 from tfpolicy.passes.quantize import NewVariable, QuantizePass, build_variables
 from tfpolicy.report import Report, SignatureReport, quantization_rows
+from tfpolicy.serving import checks as serving
 from tfpolicy.serving.checks import check_target, check_target_name
-from tfpolicy.serving.checks import run as run_serving_checks
 from tfpolicy.validation import inputs
 
 logger = logging.getLogger(__name__)
@@ -113,28 +114,21 @@ def rewrite(
     logger.info("saving to %s", output_path)
 
     check_data = {state.passes.calibration[0]: batches.first} if batches and state.passes.calibration else None
+    check_inputs = serving.CheckInputs(check_data or {}, state.integer_limits or {}, seed=0)
+    # The XLA check lowers the signatures on a second core while the output is saved.
+    xla_check = serving.XlaCheck(built.signatures, check_inputs) if serving_checks else contextlib.nullcontext()
+    with xla_check as xla:
 
-    def check(staged: pathlib.Path) -> None:
-        logger.info("serving checks: TF1 session loader, XLA compilation")
+        def check(staged: pathlib.Path) -> None:
+            report.serving_checks = serving.run(
+                staged, target=target, data=check_data, integer_limits=state.integer_limits,
+                input_dir=input_path, shown_as=output_path, xla=xla,
+            )
 
-        def functions() -> dict:
-            built.restore_from(staged)  # after the TF1 check: never both in memory
-            return built.signatures
-
-        report.serving_checks = run_serving_checks(
-            staged,
-            target=target,
-            data=check_data,
-            integer_limits=state.integer_limits,
-            input_dir=input_path,
-            shown_as=output_path,
-            functions=functions,
+        savedmodel_save.save_atomically(
+            built.root, built.signatures, output_path, overwrite,
+            fill=checkpoints.ValueWriter(built.root, built.value_of), check=check if serving_checks else None
         )
-
-    savedmodel_save.save_atomically(
-        built.root, built.signatures, output_path, overwrite,
-        fill=checkpoints.ValueWriter(built.root, built.value_of), check=check if serving_checks else None
-    )
     current = {name: variable.numpy() for name, variable in built.new_variables.items() if variable.is_initialized()}
     report.quantization = quantization_rows(state.qplan, state.passes.quantized, _scales(state.new_variables) | current)
     report.output_bytes = _directory_bytes(output_path)

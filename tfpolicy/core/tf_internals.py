@@ -15,7 +15,8 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, kernel_def_pb2, op_def_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, trackable_object_graph_pb2
 from tensorflow.python.checkpoint import trackable_view
-from tensorflow.python.eager import wrap_function
+from tensorflow.python.eager import context, wrap_function
+from tensorflow.python.eager.polymorphic_function import compiler_ir
 from tensorflow.python.framework import func_graph, kernels, op_def_registry
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.ops import resource_variable_ops
@@ -185,6 +186,50 @@ def uninitialized_variable(shape: Any, dtype: tf.DType, name: str, trainable: bo
     are then written by :mod:`tfpolicy.core.checkpoints`).
     """
     return resource_variable_ops.UninitializedVariable(shape=shape, dtype=dtype, name=name, trainable=trainable)
+
+
+def value_free_stand_in(handle: tf.Tensor) -> Optional[tf.Variable]:
+    """For the handle of a variable that has no value yet: a variable of its dtype and shape whose memory is never written.
+
+    XLA lowering reads a variable's dtype and shape, never its value, but
+    TensorFlow refuses to lower a function that captures an uninitialized
+    variable. ``Empty(init=False)`` allocates without writing, so a stand-in
+    for a 1 GB kernel adds next to nothing to the resident memory. None when
+    ``handle`` is not an uninitialized variable's (a table's, or a variable
+    that has its value). The handle's dtype and shape come from its handle
+    data, which has no public accessor.
+    """
+    if handle.dtype != tf.resource or bool(tf.raw_ops.VarIsInitializedOp(resource=handle)):
+        return None
+    handle_data = resource_variable_ops.get_eager_safe_handle_data(handle)
+    if handle_data is None or len(handle_data.shape_and_type) != 1:  # a table's handle
+        return None
+    shape_and_type = handle_data.shape_and_type
+    shape = tf.TensorShape(shape_and_type[0].shape)
+    dtype = tf.dtypes.as_dtype(shape_and_type[0].dtype)
+    if not shape.is_fully_defined():
+        return None
+    stand_in = resource_variable_ops.UninitializedVariable(shape=shape, dtype=dtype, name="stand_in")
+    try:
+        stand_in.assign(tf.raw_ops.Empty(shape=shape.as_list(), dtype=dtype, init=False))
+    except tf.errors.NotFoundError:  # no Empty kernel for the dtype (float8): small variables, zeros
+        stand_in.assign(tf.zeros(shape, dtype))
+    return stand_in
+
+
+def lower_to_hlo(function: Any, args: Sequence[tf.Tensor], captured_inputs: Sequence[tf.Tensor]) -> str:
+    """The XLA HLO text of ``function`` (traced with ``jit_compile=True``) on ``args``, its captures replaced.
+
+    ``tf.function.experimental_get_compiler_ir`` lowers with the function's own
+    captures; this is the call it makes, given other captures (stand-ins of
+    the same dtypes and shapes, see :func:`value_free_stand_in`). The lowering
+    runs in C++ without the GIL, so it can run on a thread beside Python work.
+    """
+    device = compiler_ir.maybe_get_device_name(None)
+    return context.context().get_compiler_ir(
+        device_name=device, platform_name=None, function_name=function.name,
+        flat_args=list(args), captured_inputs=list(captured_inputs), stage="hlo",
+    ).decode("utf-8")
 
 
 def restore_object(obj: Any, tensors: Mapping[str, Any]) -> None:

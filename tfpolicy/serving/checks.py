@@ -22,8 +22,9 @@ import hashlib
 import logging
 import pathlib
 import re
+import threading
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -141,7 +142,7 @@ def run(
     integer_limits: Optional[Mapping[str, Mapping[str, int]]] = None,
     input_dir: Optional[pathlib.Path] = None,
     shown_as: Optional[pathlib.Path] = None,
-    functions: Optional[Mapping[str, Any] | Callable[[], Mapping[str, Any]]] = None,
+    xla: Optional[XlaCheck] = None,
 ) -> ServingChecks:
     """Both checks on the SavedModel at ``saved_model_dir``.
 
@@ -151,11 +152,10 @@ def run(
     A signature that does not compile under XLA is an error when the same
     signature of ``input_dir`` (the SavedModel before the rewrite) compiles.
     Errors name ``shown_as`` (the output the user asked for) when the checks
-    run on a staged copy. ``functions`` (signature key -> the concrete
-    functions just saved there) are lowered to XLA as they are, which spares a
-    second load of the SavedModel; the TF1 check still loads it from disk.
-    ``functions`` may be a callable giving them, called after the TF1 check
-    (so that the two checks never hold the variables at the same time).
+    run on a staged copy. ``xla``, an :class:`XlaCheck` of the functions just
+    saved there, started before the save, gives the XLA outcomes; without it
+    the SavedModel is loaded again and lowered here. The TF1 check always
+    loads it from disk, as TF Serving does.
 
     Raises :class:`ServingCheckError` when the TF1 loader cannot load or run a
     signature, and, for ``target="tpu"``, when a signature does not compile
@@ -163,30 +163,23 @@ def run(
     """
     check_target_name(target)
     started = time.monotonic()
-    feeds = _Feeds(data or {}, integer_limits or {}, seed)
+    feeds = CheckInputs(data or {}, integer_limits or {}, seed)
     tf1, digests = _run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as)
     tf1_seconds = time.monotonic() - started
-    started = time.monotonic()
-    if callable(functions):
-        functions = functions()
-    if functions is None:
+    if xla is None:
         loaded = tf.saved_model.load(str(saved_model_dir))
-        functions = loaded.signatures
-    xla: dict[str, tuple[bool, tuple[str, ...], str]] = {}
-    compiled: dict[str, tuple[bool, tuple[str, ...], str]] = {}  # computation digest -> outcome
-    for key, fn in sorted(functions.items()):
-        digest = digests.get(key, key)
-        if digest not in compiled:
-            compiled[digest] = compile_xla(saved_model_dir, key, fn, seed=seed, feeds=feeds)
-        xla[key] = compiled[digest]
+        with XlaCheck(loaded.signatures, feeds, same=digests) as xla:
+            outcomes = xla.outcomes()
+    else:
+        outcomes = xla.outcomes()
     checks = ServingChecks(
         target,
         tuple(
-            SignatureCheck(key, key in tf1, *xla.get(key, (False, (), "signature not loaded by tf.saved_model.load")))
-            for key in sorted(set(tf1) | set(xla))
+            SignatureCheck(key, key in tf1, *outcomes.get(key, (False, (), "signature not loaded by tf.saved_model.load")))
+            for key in sorted(set(tf1) | set(outcomes))
         ),
         tf1_seconds,
-        time.monotonic() - started,
+        xla.seconds,
     )
     for failed in checks.xla_failures:
         message = f"signature '{failed.signature}' does not compile under XLA (jit_compile=True): " + (
@@ -203,7 +196,7 @@ def run(
     return checks
 
 
-def _compiles(saved_model_dir: pathlib.Path, key: str, feeds: _Feeds) -> bool:
+def _compiles(saved_model_dir: pathlib.Path, key: str, feeds: CheckInputs) -> bool:
     """Whether signature ``key`` of ``saved_model_dir`` lowers to XLA (checked only after a failure)."""
     loaded = tf.saved_model.load(str(saved_model_dir))  # keeps the variables alive while compiling
     function = loaded.signatures.get(key)
@@ -211,7 +204,7 @@ def _compiles(saved_model_dir: pathlib.Path, key: str, feeds: _Feeds) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Feeds:
+class CheckInputs:
     """The inputs each signature is checked on: given data, else generated within limits."""
 
     data: Mapping[str, Mapping[str, np.ndarray]]
@@ -287,7 +280,7 @@ def run_tf1(
     saved_model_dir: pathlib.Path,
     *,
     seed: int = 0,
-    feeds: Optional[_Feeds] = None,
+    feeds: Optional[CheckInputs] = None,
     shown_as: Optional[pathlib.Path] = None,
 ) -> dict[str, dict[str, np.ndarray]]:
     """Load with the TF1 session loader and run every SignatureDef by tensor name.
@@ -304,7 +297,7 @@ def _run_tf1(
     saved_model_dir: pathlib.Path,
     *,
     seed: int,
-    feeds: Optional[_Feeds],
+    feeds: Optional[CheckInputs],
     shown_as: Optional[pathlib.Path],
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, str]]:
     """:func:`run_tf1`, and the signatures' computation digests."""
@@ -324,7 +317,7 @@ def _run_tf1(
                 first[digests[key]] = key
                 signature = meta_graph.signature_def[key]
                 specs = {name: _spec_of(info) for name, info in signature.inputs.items()}
-                values = (feeds or _Feeds({}, {}, seed)).for_specs(key, specs)
+                values = (feeds or CheckInputs({}, {}, seed)).for_specs(key, specs)
                 fetches = {name: info.name for name, info in signature.outputs.items()}
                 try:
                     results[key] = session.run(fetches, {signature.inputs[n].name: v for n, v in values.items()})
@@ -346,30 +339,132 @@ def _spec_of(info: Any) -> tf.TensorSpec:
     return tf.TensorSpec(shape, tf.dtypes.as_dtype(info.dtype))
 
 
+XlaOutcome = tuple[bool, tuple[str, ...], str]
+"""``(compiles, unsupported ops as "Op (node)", first line of the error)``."""
+
+
+@dataclasses.dataclass
+class PreparedLowering:
+    """One signature, traced under ``jit_compile=True``, ready to lower (on any thread)."""
+
+    key: str
+    function: Any  # the jit-compiled wrapper's ConcreteFunction
+    args: list[tf.Tensor]
+    captured_inputs: list[tf.Tensor]
+    stand_ins: list[tf.Variable]  # kept alive while lowering
+
+    def lower(self) -> XlaOutcome:
+        try:
+            tf_internals.lower_to_hlo(self.function, self.args, self.captured_inputs)
+        except (tf.errors.OpError, ValueError, TypeError) as exc:
+            return _failed(self.key, exc)
+        return True, (), ""
+
+
+def prepare_xla(key: str, function: Any, *, seed: int = 0, feeds: Optional[CheckInputs] = None) -> PreparedLowering | XlaOutcome:
+    """Trace signature ``function`` as ``tf.function(jit_compile=True)`` traces it, on the check's inputs.
+
+    The variables it captures that have no value yet (the output's, while it
+    is being saved) are replaced by stand-ins of their dtype and shape: the
+    lowering reads no value. Returns the outcome at once when tracing fails.
+    """
+    values = (feeds or CheckInputs({}, {}, seed)).for_specs(key, inputs.input_specs(function))
+    names = sorted(values)
+
+    def call(*args: tf.Tensor) -> Any:
+        return function(**dict(zip(names, args)))
+
+    try:
+        args = [tf.constant(values[name]) for name in names]
+        specs = [tf.TensorSpec(arg.shape, arg.dtype, name=name) for name, arg in zip(names, args)]  # named as the inputs
+        traced = tf.function(call, jit_compile=True).get_concrete_function(*specs)
+    except (tf.errors.OpError, ValueError, TypeError) as exc:
+        return _failed(key, exc)
+    captured, stand_ins = [], []
+    for handle in traced.captured_inputs:
+        stand_in = tf_internals.value_free_stand_in(handle)
+        if stand_in is not None:
+            stand_ins.append(stand_in)
+        captured.append(handle if stand_in is None else stand_in.handle)
+    return PreparedLowering(key, traced, args, captured, stand_ins)
+
+
 def compile_xla(
-    saved_model_dir: pathlib.Path, key: str, function: Any, *, seed: int = 0, feeds: Optional[_Feeds] = None
-) -> tuple[bool, tuple[str, ...], str]:
+    saved_model_dir: pathlib.Path, key: str, function: Any, *, seed: int = 0, feeds: Optional[CheckInputs] = None
+) -> XlaOutcome:
     """Lower ``function`` to XLA HLO as ``tf.function(jit_compile=True)`` does.
 
     This is tf2xla's step, where an op without an XLA kernel fails; the
     backend's code generation (this machine's CPU, not the serving GPU or TPU)
-    is not run, which keeps the check cheap for big models. Returns
-    ``(compiles, unsupported ops as "Op (node)", first line of the error)``.
+    is not run, which keeps the check cheap for big models.
     """
-    values = (feeds or _Feeds({}, {}, seed)).for_specs(key, inputs.input_specs(function))
+    prepared = prepare_xla(key, function, seed=seed, feeds=feeds)
+    return prepared.lower() if isinstance(prepared, PreparedLowering) else prepared
 
-    def call(**kwargs: tf.Tensor) -> Any:
-        return function(**kwargs)
 
-    try:
-        tensors = {name: tf.constant(value) for name, value in values.items()}
-        tf.function(call, jit_compile=True).experimental_get_compiler_ir(**tensors)(stage="hlo")
-    except (tf.errors.OpError, ValueError, TypeError) as exc:
-        message = getattr(exc, "message", str(exc))
-        unsupported = tuple(dict.fromkeys(f"{op} ({node})" for op, node in _UNSUPPORTED_OP.findall(message)))
-        logger.debug("XLA cannot compile %s of %s: %s", key, saved_model_dir, message)
-        return False, unsupported, _first_line(message)
-    return True, (), ""
+def _failed(key: str, exc: Exception) -> XlaOutcome:
+    message = getattr(exc, "message", str(exc))
+    unsupported = tuple(dict.fromkeys(f"{op} ({node})" for op, node in _UNSUPPORTED_OP.findall(message)))
+    logger.debug("XLA cannot compile %s: %s", key, message)
+    return False, unsupported, _first_line(message)
+
+
+class XlaCheck:
+    """Each distinct signature lowered to XLA HLO on a thread of its own.
+
+    The rewrite starts it before it saves the output: lowering needs the
+    functions, not the values (see :func:`prepare_xla`), and TensorFlow
+    lowers without the GIL, so it runs on a second core while the save, mostly
+    Python, runs on the first. Signatures that share one function object (a
+    key and its aliases) are lowered once. ``same`` (key -> a digest of what
+    it computes) merges more. Use as a context manager, so that the thread is
+    joined whatever happens::
+
+        with XlaCheck(functions, feeds) as xla:
+            ... save ...
+            outcomes = xla.outcomes()
+    """
+
+    def __init__(self, functions: Mapping[str, Any], feeds: CheckInputs, same: Optional[Mapping[str, str]] = None) -> None:
+        started = time.monotonic()
+        self._groups: dict[Any, list[str]] = {}
+        first: dict[Any, Any] = {}
+        for key, function in sorted(functions.items()):
+            group = same.get(key, key) if same else id(function)
+            first.setdefault(group, function)
+            self._groups.setdefault(group, []).append(key)
+        self._prepared = {
+            group: prepare_xla(keys[0], first[group], feeds=feeds) for group, keys in self._groups.items()
+        }
+        self._outcomes: dict[Any, XlaOutcome] = {}
+        self._prepare_seconds = time.monotonic() - started
+        self._lower_seconds = 0.0
+        self._thread = threading.Thread(target=self._lower_all, name="tfpolicy-xla-check", daemon=True)
+        self._thread.start()
+
+    def _lower_all(self) -> None:
+        started = time.monotonic()
+        for group, prepared in self._prepared.items():
+            self._outcomes[group] = prepared.lower() if isinstance(prepared, PreparedLowering) else prepared
+        self._lower_seconds = time.monotonic() - started
+
+    @property
+    def seconds(self) -> float:
+        """Time spent on the check: tracing on the caller's thread plus lowering on its own."""
+        return self._prepare_seconds + self._lower_seconds
+
+    def outcomes(self) -> dict[str, XlaOutcome]:
+        """Signature key -> outcome, waiting for the lowering to finish."""
+        self._thread.join()
+        self._prepared.clear()  # the stand-ins go
+        return {key: self._outcomes[group] for group, keys in self._groups.items() for key in keys}
+
+    def __enter__(self) -> XlaCheck:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._thread.join()
+        self._prepared.clear()
 
 
 def _first_line(text: str) -> str:
