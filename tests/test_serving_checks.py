@@ -12,6 +12,7 @@ import time
 import shutil
 
 import pytest
+import tensorflow as tf
 
 import tfpolicy
 from tfpolicy.errors import ServingCheckError, TargetError
@@ -157,3 +158,16 @@ def test_xla_check_lowers_functions_whose_variables_have_no_value_yet(zoo, monke
     assert prepared == ["alias"]  # one function object, lowered once
     assert xla.seconds > 0
     assert not any(v.is_initialized() for v in variables)
+
+
+def test_an_unexpected_error_on_the_xla_thread_is_raised_on_the_callers(zoo, monkeypatch):
+    from tfpolicy.core import tf_internals  # noqa: PLC0415
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("lowering broke")
+
+    monkeypatch.setattr(tf_internals, "lower_to_hlo", broken)
+    loaded = tf.saved_model.load(zoo.get("keras3_mlp").saved_model_dir)
+    with serving_checks.XlaCheck(dict(loaded.signatures), serving_checks.CheckInputs({}, {}, 0)) as xla:
+        with pytest.raises(RuntimeError, match="lowering broke"):
+            xla.outcomes()

@@ -140,13 +140,6 @@ class Assembled:
                 if produce is not None:
                     obj.assign(produce())
 
-    def restore_from(self, saved_model_dir) -> None:
-        """Give the variables without a value theirs from the SavedModel this root was saved to."""
-        pending = [v for v in tf_internals.trackable_descendants(self.root)
-                   if isinstance(v, tf.Variable) and not v.is_initialized()]
-        if pending:
-            checkpoints.SavedModelCheckpoint(saved_model_dir, self.root).restore(pending)
-
 
 def assemble(
     model: LoadedModel,

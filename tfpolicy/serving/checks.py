@@ -437,6 +437,7 @@ class XlaCheck:
             group: prepare_xla(keys[0], first[group], feeds=feeds) for group, keys in self._groups.items()
         }
         self._outcomes: dict[Any, XlaOutcome] = {}
+        self._error: Optional[BaseException] = None
         self._prepare_seconds = time.monotonic() - started
         self._lower_seconds = 0.0
         self._thread = threading.Thread(target=self._lower_all, name="tfpolicy-xla-check", daemon=True)
@@ -444,8 +445,11 @@ class XlaCheck:
 
     def _lower_all(self) -> None:
         started = time.monotonic()
-        for group, prepared in self._prepared.items():
-            self._outcomes[group] = prepared.lower() if isinstance(prepared, PreparedLowering) else prepared
+        try:
+            for group, prepared in self._prepared.items():
+                self._outcomes[group] = prepared.lower() if isinstance(prepared, PreparedLowering) else prepared
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread by outcomes()
+            self._error = exc
         self._lower_seconds = time.monotonic() - started
 
     @property
@@ -457,6 +461,8 @@ class XlaCheck:
         """Signature key -> outcome, waiting for the lowering to finish."""
         self._thread.join()
         self._prepared.clear()  # the stand-ins go
+        if self._error is not None:
+            raise self._error
         return {key: self._outcomes[group] for group, keys in self._groups.items() for key in keys}
 
     def __enter__(self) -> XlaCheck:
