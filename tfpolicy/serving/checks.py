@@ -200,7 +200,7 @@ def _compiles(saved_model_dir: pathlib.Path, key: str, feeds: CheckInputs) -> bo
     """Whether signature ``key`` of ``saved_model_dir`` lowers to XLA (checked only after a failure)."""
     loaded = tf.saved_model.load(str(saved_model_dir))  # keeps the variables alive while compiling
     function = loaded.signatures.get(key)
-    return function is not None and compile_xla(saved_model_dir, key, function, feeds=feeds)[0]
+    return function is not None and _lower(prepare_xla(key, function, feeds=feeds))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +354,12 @@ class PreparedLowering:
     stand_ins: list[tf.Variable]  # kept alive while lowering
 
     def lower(self) -> XlaOutcome:
+        """Lower to XLA HLO as ``tf.function(jit_compile=True)`` does.
+
+        This is tf2xla's step, where an op without an XLA kernel fails; the
+        backend's code generation (this machine's CPU, not the serving GPU or
+        TPU) is not run, which keeps the check cheap for big models.
+        """
         try:
             tf_internals.lower_to_hlo(self.function, self.args, self.captured_inputs)
         except (tf.errors.OpError, ValueError, TypeError) as exc:
@@ -389,16 +395,8 @@ def prepare_xla(key: str, function: Any, *, seed: int = 0, feeds: Optional[Check
     return PreparedLowering(key, traced, args, captured, stand_ins)
 
 
-def compile_xla(
-    saved_model_dir: pathlib.Path, key: str, function: Any, *, seed: int = 0, feeds: Optional[CheckInputs] = None
-) -> XlaOutcome:
-    """Lower ``function`` to XLA HLO as ``tf.function(jit_compile=True)`` does.
-
-    This is tf2xla's step, where an op without an XLA kernel fails; the
-    backend's code generation (this machine's CPU, not the serving GPU or TPU)
-    is not run, which keeps the check cheap for big models.
-    """
-    prepared = prepare_xla(key, function, seed=seed, feeds=feeds)
+def _lower(prepared: PreparedLowering | XlaOutcome) -> XlaOutcome:
+    """Lower a prepared signature; an outcome already known (tracing failed) is returned as it is."""
     return prepared.lower() if isinstance(prepared, PreparedLowering) else prepared
 
 
@@ -447,7 +445,7 @@ class XlaCheck:
         started = time.monotonic()
         try:
             for group, prepared in self._prepared.items():
-                self._outcomes[group] = prepared.lower() if isinstance(prepared, PreparedLowering) else prepared
+                self._outcomes[group] = _lower(prepared)
         except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread by outcomes()
             self._error = exc
         self._lower_seconds = time.monotonic() - started
