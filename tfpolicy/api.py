@@ -115,7 +115,7 @@ def rewrite(
 
     check_data = {state.passes.calibration[0]: batches.first} if batches and state.passes.calibration else None
     check_inputs = serving.CheckInputs(check_data or {}, state.integer_limits or {}, seed=0)
-    # The XLA check lowers the signatures on a second core while the output is saved.
+    # The XLA check traces the signatures now and lowers them on a second core during the TF1 check.
     xla_check = serving.XlaCheck(built.signatures, check_inputs) if serving_checks else contextlib.nullcontext()
     with xla_check as xla:
 

@@ -9,7 +9,7 @@ changes it fails there, by name, and not somewhere deep in a rewrite.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, kernel_def_pb2, op_def_pb2
@@ -20,6 +20,7 @@ from tensorflow.python.eager.polymorphic_function import compiler_ir
 from tensorflow.python.framework import func_graph, kernels, op_def_registry
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.saved_model import loader_impl
 from tensorflow.python.trackable import asset, autotrackable, resource, trackable_utils
 from tensorflow.python.util import deprecation, nest
 
@@ -223,7 +224,9 @@ def lower_to_hlo(function: Any, args: Sequence[tf.Tensor], captured_inputs: Sequ
     ``tf.function.experimental_get_compiler_ir`` lowers with the function's own
     captures; this is the call it makes, given other captures (stand-ins of
     the same dtypes and shapes, see :func:`value_free_stand_in`). The lowering
-    runs in C++ without the GIL, so it can run on a thread beside Python work.
+    holds the GIL all along (measured: a Python loop on another thread stalls
+    for all but a few milliseconds of it), so it overlaps only work that
+    releases the GIL, such as a session's ``run``.
     """
     device = compiler_ir.maybe_get_device_name(None)
     return context.context().get_compiler_ir(
@@ -239,3 +242,25 @@ def restore_object(obj: Any, tensors: Mapping[str, Any]) -> None:
     per object; there is no public per-object restore.
     """
     obj._restore_from_tensors(dict(tensors))  # noqa: SLF001
+
+
+def load_tf1(
+    session: tf.compat.v1.Session, export_dir: str, tag: str, after_import: Optional[Callable[[], None]] = None
+) -> meta_graph_pb2.MetaGraphDef:
+    """``tf.compat.v1.saved_model.loader.load(session, [tag], export_dir)``, calling ``after_import()`` midway.
+
+    The loader's steps, run by the class the public loader runs them with:
+    import the MetaGraphDef into the session's graph (Python), restore the
+    variables, run the init op (both ``Session.run``, without the GIL).
+    ``after_import`` is called between the first and the others, so that a
+    caller can start work that holds the GIL beside the C++ part. The public
+    loader runs the steps in one call.
+    """
+    loader = loader_impl.SavedModelLoader(export_dir)
+    with session.graph.as_default():
+        saver, _ = loader.load_graph(session.graph, [tag])
+        if after_import is not None:
+            after_import()
+        loader.restore_variables(session, saver)
+        loader.run_init_ops(session, [tag])
+    return loader.get_meta_graph_def_from_tags([tag])

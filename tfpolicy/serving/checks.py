@@ -24,7 +24,7 @@ import pathlib
 import re
 import threading
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -153,8 +153,9 @@ def run(
     signature of ``input_dir`` (the SavedModel before the rewrite) compiles.
     Errors name ``shown_as`` (the output the user asked for) when the checks
     run on a staged copy. ``xla``, an :class:`XlaCheck` of the functions just
-    saved there, started before the save, gives the XLA outcomes; without it
-    the SavedModel is loaded again and lowered here. The TF1 check always
+    saved there, gives the XLA outcomes: it is started once the TF1 loader has
+    imported the graph, and lowers while the loader restores and runs. Without
+    it the SavedModel is loaded again and lowered here. The TF1 check always
     loads it from disk, as TF Serving does.
 
     Raises :class:`ServingCheckError` when the TF1 loader cannot load or run a
@@ -164,7 +165,10 @@ def run(
     check_target_name(target)
     started = time.monotonic()
     feeds = CheckInputs(data or {}, integer_limits or {}, seed)
-    tf1, digests = _run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as)
+    # The XLA lowering holds the GIL; the TF1 loader's restore and runs do not: they overlap.
+    tf1, digests = _run_tf1(
+        saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as, after_import=xla.start if xla else None
+    )
     tf1_seconds = time.monotonic() - started
     if xla is None:
         loaded = tf.saved_model.load(str(saved_model_dir))
@@ -299,13 +303,14 @@ def _run_tf1(
     seed: int,
     feeds: Optional[CheckInputs],
     shown_as: Optional[pathlib.Path],
+    after_import: Optional[Callable[[], None]] = None,
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, str]]:
-    """:func:`run_tf1`, and the signatures' computation digests."""
+    """:func:`run_tf1`, and the signatures' computation digests; ``after_import()`` runs once the graph is in."""
     graph = tf.Graph()
     results: dict[str, dict[str, np.ndarray]] = {}
     try:
         with tf.compat.v1.Session(graph=graph) as session, tf_internals.deprecation_warnings_silenced():
-            meta_graph = tf.compat.v1.saved_model.loader.load(session, [SERVE_TAG], str(saved_model_dir))
+            meta_graph = tf_internals.load_tf1(session, str(saved_model_dir), SERVE_TAG, after_import)
             digests = computations(meta_graph)
             first: dict[str, str] = {}  # digest -> the signature that ran it
             for key in sorted(meta_graph.signature_def):
@@ -408,18 +413,21 @@ def _failed(key: str, exc: Exception) -> XlaOutcome:
 
 
 class XlaCheck:
-    """Each distinct signature lowered to XLA HLO on a thread of its own.
+    """Each distinct signature traced at once, lowered to XLA HLO on a thread of its own.
 
-    The rewrite starts it before it saves the output: lowering needs the
-    functions, not the values (see :func:`prepare_xla`), and TensorFlow
-    lowers without the GIL, so it runs on a second core while the save, mostly
-    Python, runs on the first. Signatures that share one function object (a
-    key and its aliases) are lowered once. ``same`` (key -> a digest of what
-    it computes) merges more. Use as a context manager, so that the thread is
-    joined whatever happens::
+    Lowering needs the functions, not the values (see :func:`prepare_xla`),
+    so the rewrite traces them before it saves the output. The lowering holds
+    the GIL, so :func:`run` starts it (:meth:`start`) once the TF1 loader has
+    imported the output's graph: restoring and running the signatures in a
+    session release the GIL, and the two checks run on two cores. Signatures
+    that share one function object (a key and its aliases) are lowered once.
+    ``same`` (key -> a digest of what it computes) merges more. Use as a
+    context manager, so that the thread is joined whatever happens::
 
         with XlaCheck(functions, feeds) as xla:
             ... save ...
+            xla.start()
+            ... other work ...
             outcomes = xla.outcomes()
     """
 
@@ -439,7 +447,11 @@ class XlaCheck:
         self._prepare_seconds = time.monotonic() - started
         self._lower_seconds = 0.0
         self._thread = threading.Thread(target=self._lower_all, name="tfpolicy-xla-check", daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        """Start lowering on the thread (once; :meth:`outcomes` starts it if nobody has)."""
+        if self._thread.ident is None:
+            self._thread.start()
 
     def _lower_all(self) -> None:
         started = time.monotonic()
@@ -457,6 +469,7 @@ class XlaCheck:
 
     def outcomes(self) -> dict[str, XlaOutcome]:
         """Signature key -> outcome, waiting for the lowering to finish."""
+        self.start()
         self._thread.join()
         self._prepared.clear()  # the stand-ins go
         if self._error is not None:
@@ -467,7 +480,8 @@ class XlaCheck:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
         self._prepared.clear()
 
 
