@@ -153,26 +153,6 @@ def test_variable_checkpoint_keys_are_the_keys_a_save_gives(tmp_path):
     assert predicted == saved
 
 
-def test_load_tf1_calls_back_between_the_graph_import_and_the_restore(tmp_path):
-    """What the serving checks start the XLA lowering at: the graph is in, no variable has its value yet."""
-    module = tf.Module()
-    module.v = tf.Variable([1.0, 2.0])
-    module.f = tf.function(lambda x: x * module.v, input_signature=[tf.TensorSpec([2])])
-    tf.saved_model.save(module, str(tmp_path / "m"))
-    seen = []
-    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
-        def after_import():
-            (handle,) = [op.outputs[0] for op in graph.get_operations() if op.type == "VarHandleOp"]
-            seen.append(session.run(tf.raw_ops.VarIsInitializedOp(resource=handle)))
-
-        meta_graph = tf_internals.load_tf1(session, str(tmp_path / "m"), "serve", after_import)
-        signature = meta_graph.signature_def["serving_default"]
-        (output,) = signature.outputs.values()
-        result = session.run(output.name, {signature.inputs["x"].name: [3.0, 4.0]})
-    assert seen == [False]
-    np.testing.assert_array_equal(result, [3.0, 8.0])
-
-
 def test_a_function_reading_variables_without_values_lowers_to_hlo_through_stand_ins():
     """TensorFlow refuses to lower a function whose variables have no value; stand-ins of their dtype and shape do."""
     kernel = tf_internals.uninitialized_variable((4, 3), tf.bfloat16, "kernel")

@@ -8,6 +8,7 @@ TensorFlow's private APIs live in :mod:`tfpolicy.core.tf_internals` alone.
 
     savedmodel_io   load a SavedModel into graphs
     savedmodel_save rebuild concrete functions from the graphs; save atomically
+    tf1_saver       the output's TF1 saver (restore and save ops), written as nodes
     graph           the graph view: nodes, use-def, edits, verify()
     tf_names        TensorFlow's edge-name and dtype-attribute rules
     assemble        the output's root object: variables, signatures, tfpolicy.calibrate

@@ -4,7 +4,8 @@ Each rewritten signature is rebuilt as a concrete function
 (:func:`rebuild_function`: the graph back to a GraphDef with its library,
 capture placeholders bound to the loaded or new variables), and the root is
 written with ``tf.saved_model.save`` into a temporary directory beside the
-output, then renamed into place (:func:`save_atomically`). Loading is
+output, its TF1 saver added as nodes (:mod:`tfpolicy.core.tf1_saver`), then
+renamed into place (:func:`save_atomically`). Loading is
 :mod:`tfpolicy.core.savedmodel_io`.
 """
 
@@ -21,7 +22,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 
-from tfpolicy.core import checkpoints, tf_internals, tf_names
+from tfpolicy.core import checkpoints, tf1_saver, tf_internals, tf_names
 from tfpolicy.core.graph import Graph
 from tfpolicy.core.savedmodel_io import SignatureProgram
 from tfpolicy.core.tf_names import TensorRef
@@ -204,10 +205,13 @@ def save_atomically(
             fill.start(tmp)
         # Serving never differentiates: custom gradients (Keras's SiLU, keras_hub's
         # ops) would be traced with captures of the original graph, which fail.
-        options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+        # The TF1 saver is added after, as nodes (tf1_saver): tracing it is half the save.
+        options = tf.saved_model.SaveOptions(experimental_custom_gradients=False, experimental_skip_saver=True)
         tf.saved_model.save(root, str(tmp), signatures=signatures, options=options)
         if fill is not None:
             fill.finish(tmp)
+        if not tf1_saver.add_saver(tmp, root):
+            _save_graph_with_tf_saver(root, signatures, tmp)
         if check is not None:
             check(tmp)
         if output_dir.exists():
@@ -224,3 +228,19 @@ def save_atomically(
             fill.cancel()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_graph_with_tf_saver(root: object, signatures: dict[str, object], saved_model_dir: pathlib.Path) -> None:
+    """Replace ``saved_model.pb`` with one whose saver TensorFlow traced (when :mod:`tf1_saver` cannot match names).
+
+    The root is saved again beside it, and only the graph is kept: the object
+    graph and so the checkpoint keys are the same, and the values are already in place.
+    """
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="tf-saver-", dir=saved_model_dir))
+    try:
+        options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+        tf.saved_model.save(root, str(scratch), signatures=signatures, options=options)
+        os.replace(scratch / tf1_saver.SAVED_MODEL_PB, saved_model_dir / tf1_saver.SAVED_MODEL_PB)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    tf_internals.write_fingerprint(saved_model_dir)

@@ -9,7 +9,7 @@ changes it fails there, by name, and not somewhere deep in a rewrite.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, kernel_def_pb2, op_def_pb2
@@ -20,7 +20,7 @@ from tensorflow.python.eager.polymorphic_function import compiler_ir
 from tensorflow.python.framework import func_graph, kernels, op_def_registry
 from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.saved_model import loader_impl
+from tensorflow.python.saved_model import fingerprinting_utils
 from tensorflow.python.trackable import asset, autotrackable, resource, trackable_utils
 from tensorflow.python.util import deprecation, nest
 
@@ -244,23 +244,20 @@ def restore_object(obj: Any, tensors: Mapping[str, Any]) -> None:
     obj._restore_from_tensors(dict(tensors))  # noqa: SLF001
 
 
-def load_tf1(
-    session: tf.compat.v1.Session, export_dir: str, tag: str, after_import: Optional[Callable[[], None]] = None
-) -> meta_graph_pb2.MetaGraphDef:
-    """``tf.compat.v1.saved_model.loader.load(session, [tag], export_dir)``, calling ``after_import()`` midway.
+def exported_variable_name(variable: tf.Variable) -> str:
+    """The name ``tf.saved_model.save`` gives ``variable``'s VarHandleOp, unless another node took it first.
 
-    The loader's steps, run by the class the public loader runs them with:
-    import the MetaGraphDef into the session's graph (Python), restore the
-    variables, run the init op (both ``Session.run``, without the GIL).
-    ``after_import`` is called between the first and the others, so that a
-    caller can start work that holds the GIL beside the C++ part. The public
-    loader runs the steps in one call.
+    The save copies each variable into the exported graph under its shared
+    name (``copy_to_graph_uninitialized``), which the graph makes unique by
+    adding a suffix. No public API gives the shared name or the copy.
     """
-    loader = loader_impl.SavedModelLoader(export_dir)
-    with session.graph.as_default():
-        saver, _ = loader.load_graph(session.graph, [tag])
-        if after_import is not None:
-            after_import()
-        loader.restore_variables(session, saver)
-        loader.run_init_ops(session, [tag])
-    return loader.get_meta_graph_def_from_tags([tag])
+    return variable._shared_name  # noqa: SLF001
+
+
+def write_fingerprint(saved_model_dir: Any) -> None:
+    """Write ``fingerprint.pb`` from the directory's ``saved_model.pb`` and checkpoint, as the save does.
+
+    The save writes it before the rewrite completes the checkpoint and the
+    saver; ``tf.saved_model.experimental`` only reads fingerprints.
+    """
+    fingerprinting_utils.write_fingerprint(str(saved_model_dir))

@@ -32,6 +32,7 @@ DT_INT8 = types_pb2.DT_INT8
 DT_INT32 = types_pb2.DT_INT32
 DT_FLOAT8_E4M3FN = types_pb2.DT_FLOAT8_E4M3FN
 DT_RESOURCE = types_pb2.DT_RESOURCE
+DT_STRING = types_pb2.DT_STRING
 DT_VARIANT = types_pb2.DT_VARIANT
 DT_INVALID = types_pb2.DT_INVALID
 AttrValue = attr_value_pb2.AttrValue  # for type hints

@@ -153,8 +153,8 @@ def run(
     signature of ``input_dir`` (the SavedModel before the rewrite) compiles.
     Errors name ``shown_as`` (the output the user asked for) when the checks
     run on a staged copy. ``xla``, an :class:`XlaCheck` of the functions just
-    saved there, gives the XLA outcomes: it is started once the TF1 loader has
-    imported the graph, and lowers while the loader restores and runs. Without
+    saved there, gives the XLA outcomes: it is started as the TF1 check runs
+    the first signature, and lowers while the session runs it. Without
     it the SavedModel is loaded again and lowered here. The TF1 check always
     loads it from disk, as TF Serving does.
 
@@ -165,10 +165,9 @@ def run(
     check_target_name(target)
     started = time.monotonic()
     feeds = CheckInputs(data or {}, integer_limits or {}, seed)
-    # The XLA lowering holds the GIL; the TF1 loader's restore and runs do not: they overlap.
-    tf1, digests = _run_tf1(
-        saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as, after_import=xla.start if xla else None
-    )
+    # The XLA lowering holds the GIL from start to end; a session's run releases it (grappler,
+    # kernels, the forward pass: the TF1 check's longest part), so the lowering starts just before it.
+    tf1, digests = _run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as, before_run=xla.start if xla else None)
     tf1_seconds = time.monotonic() - started
     if xla is None:
         loaded = tf.saved_model.load(str(saved_model_dir))
@@ -303,14 +302,14 @@ def _run_tf1(
     seed: int,
     feeds: Optional[CheckInputs],
     shown_as: Optional[pathlib.Path],
-    after_import: Optional[Callable[[], None]] = None,
+    before_run: Optional[Callable[[], None]] = None,
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, str]]:
-    """:func:`run_tf1`, and the signatures' computation digests; ``after_import()`` runs once the graph is in."""
+    """:func:`run_tf1`, and the signatures' computation digests; ``before_run()`` is called before the first signature runs."""
     graph = tf.Graph()
     results: dict[str, dict[str, np.ndarray]] = {}
     try:
         with tf.compat.v1.Session(graph=graph) as session, tf_internals.deprecation_warnings_silenced():
-            meta_graph = tf_internals.load_tf1(session, str(saved_model_dir), SERVE_TAG, after_import)
+            meta_graph = tf.compat.v1.saved_model.loader.load(session, [SERVE_TAG], str(saved_model_dir))
             digests = computations(meta_graph)
             first: dict[str, str] = {}  # digest -> the signature that ran it
             for key in sorted(meta_graph.signature_def):
@@ -324,6 +323,9 @@ def _run_tf1(
                 specs = {name: _spec_of(info) for name, info in signature.inputs.items()}
                 values = (feeds or CheckInputs({}, {}, seed)).for_specs(key, specs)
                 fetches = {name: info.name for name, info in signature.outputs.items()}
+                if before_run is not None:
+                    before_run()  # once, just before the longest stretch without the GIL
+                    before_run = None
                 try:
                     results[key] = session.run(fetches, {signature.inputs[n].name: v for n, v in values.items()})
                 except tf.errors.OpError as exc:
@@ -417,9 +419,9 @@ class XlaCheck:
 
     Lowering needs the functions, not the values (see :func:`prepare_xla`),
     so the rewrite traces them before it saves the output. The lowering holds
-    the GIL, so :func:`run` starts it (:meth:`start`) once the TF1 loader has
-    imported the output's graph: restoring and running the signatures in a
-    session release the GIL, and the two checks run on two cores. Signatures
+    the GIL throughout, so :func:`run` starts it (:meth:`start`) just as the
+    TF1 check runs the first signature in its session, which releases the
+    GIL: the two checks run on two cores. Signatures
     that share one function object (a key and its aliases) are lowered once.
     ``same`` (key -> a digest of what it computes) merges more. Use as a
     context manager, so that the thread is joined whatever happens::
