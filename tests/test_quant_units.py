@@ -74,3 +74,27 @@ def test_contraction_rules(node, kernel_reduced, input_reduced):
 
 def test_einsum_with_ellipsis_is_not_a_kernel_contraction():
     assert quant_rules.RULES["Einsum"](_node("Einsum", equation="...c,cd->...d")) == []
+
+
+@pytest.mark.parametrize(
+    "amax",
+    [0.0, 2e-38, 1e-30, 3.1e-3, 0.5, 1.0, 1.7, 447.9, 448.0, 1e5, 3.4e38, np.inf, np.nan],  # normal floats: TF flushes subnormals unevenly
+)
+def test_float8_kernel_statistics_are_kerass_formulas_bit_for_bit(amax):
+    from tfpolicy.passes import quant_variables  # noqa: PLC0415
+
+    amax = np.float32(amax)
+    keras_scale = keras.quantizers.compute_float8_scale(
+        amax, np.float32(1.0), np.float32(quant_variables.FLOAT8_E4M3_MAX)
+    )
+    ours = quant_variables.float8_scale(amax)
+    assert ours.dtype == np.float32 and ours.shape == ()
+    assert np.asarray(keras_scale, np.float32).tobytes() == ours.tobytes()
+
+    class Group:
+        kernel_uid, history_length = 0, 16
+
+    kernel = np.array([[amax, -amax / 2]], np.float32) if np.isfinite(amax) else np.array([[amax]], np.float32)
+    _, history = quant_variables._float8_values(lambda uid: kernel, Group)  # noqa: SLF001
+    keras_history = keras.quantizers.compute_float8_amax_history(kernel, np.zeros((16,), np.float32))
+    assert np.asarray(keras_history, np.float32).tobytes() == history.tobytes()

@@ -72,6 +72,9 @@ class NewVariable:
     """A variable the rewrite creates; ``replaces`` is the uid of one it supersedes.
 
     Its shape and dtype are known at once, its value when :attr:`value` is read.
+    ``derived_from`` is the uid of a variable the output keeps whose value
+    makes this one's (a float8 kernel's statistics): it is written just after
+    that variable, whose value is then read once.
     """
 
     name: str
@@ -79,6 +82,7 @@ class NewVariable:
     numpy_dtype: np.dtype
     make: Callable[[], np.ndarray]
     replaces: Optional[int] = None
+    derived_from: Optional[int] = None
 
     @classmethod
     def of(cls, name: str, value: np.ndarray, replaces: Optional[int] = None) -> "NewVariable":
@@ -88,9 +92,11 @@ class NewVariable:
 
     @classmethod
     def part(cls, name: str, shape, numpy_dtype, values: LazyValues, index: int,
-             replaces: Optional[int] = None) -> "NewVariable":
+             replaces: Optional[int] = None, derived_from: Optional[int] = None) -> "NewVariable":
         """Value ``index`` of ``values``."""
-        return cls(name, tuple(int(d) for d in shape), np.dtype(numpy_dtype), lambda: values.get(index), replaces)
+        return cls(
+            name, tuple(int(d) for d in shape), np.dtype(numpy_dtype), lambda: values.get(index), replaces, derived_from
+        )
 
     @property
     def value(self) -> np.ndarray:
@@ -193,7 +199,7 @@ def assemble(
     for alias, key in model.aliases.items():
         functions[alias] = functions[key]
     root = tf_internals.new_trackable_root()
-    root.tfpolicy_variables = list(kept.values()) + list(converted.values()) + list(created.values())
+    root.tfpolicy_variables = _in_writing_order(kept, converted, created, new_variables)
     root.tfpolicy_resources = savedmodel_io.tracked_resources(model.root)
     for key, function in functions.items():
         setattr(root, _attribute_name(key), function)
@@ -202,6 +208,24 @@ def assemble(
         if calibrate is not None:
             root.tfpolicy.calibrate = calibrate
     return Assembled(root, functions, created, calibrate, producers, model.checkpoint)
+
+
+def _in_writing_order(kept: dict, converted: dict, created: dict, specs: dict[str, NewVariable]) -> list[tf.Variable]:
+    """The root's variables; each created one derived from a kept one right after it.
+
+    The checkpoint's values are written in this order, and the input's
+    checkpoint keeps the value it read last, so a kept kernel and the
+    statistics taken from it share one read.
+    """
+    derived: dict[int, list[tf.Variable]] = {}
+    for name, variable in created.items():
+        if specs[name].derived_from in kept:
+            derived.setdefault(specs[name].derived_from, []).append(variable)
+    ordered = []
+    for uid, variable in kept.items():
+        ordered += [variable] + derived.pop(uid, [])
+    placed = {id(v) for v in ordered}
+    return ordered + list(converted.values()) + [v for v in created.values() if id(v) not in placed]
 
 
 def _made(spec: NewVariable) -> tf.Tensor:

@@ -71,6 +71,7 @@ class SavedModelCheckpoint:
         self.found = tf_internals.checkpointed_objects(root, graph)
         """Node id of the object graph -> the object of ``root`` it names."""
         self._keys: dict[int, dict[str, str]] = {}
+        self._last: Optional[tuple[str, tf.Tensor]] = None  # the value read last, by key
         self.unmatched: list[str] = []  # keys of objects the walk did not reach
         for node_id, node in enumerate(graph.nodes):
             keys = {a.name: a.checkpoint_key for a in node.attributes}
@@ -88,8 +89,19 @@ class SavedModelCheckpoint:
         return key is not None and key in self.dtypes
 
     def read(self, obj: Any, attribute: str = VARIABLE_VALUE) -> tf.Tensor:
-        """One value, read from disk now (only its bytes are read)."""
-        return saved_value(self, self._keys[id(obj)][attribute])
+        """One value, read from disk now (only its bytes are read), or again as it was read last.
+
+        The last value read is kept until the next read: the output's writer
+        reads a kernel and, right after, the statistics taken from it read it
+        again (see ``assemble.NewVariable.derived_from``).
+        """
+        key = self._keys[id(obj)][attribute]
+        last = self._last
+        if last is not None and last[0] == key:
+            return last[1]
+        value = saved_value(self, key)
+        self._last = (key, value)
+        return value
 
     def restore(self, objects: Iterable[Any]) -> None:
         """Give each of ``objects`` its values from the checkpoint, one object at a time."""

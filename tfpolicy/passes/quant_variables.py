@@ -62,11 +62,12 @@ def build_variables(
     for group in sorted(qplan.float8_groups.values(), key=lambda g: g.prefix):
         values = LazyValues(functools.partial(_float8_values, read_value, group))
         variables[group.name("inputs_scale")] = NewVariable.of(group.name("inputs_scale"), np.float32(1.0).reshape(()))
-        variables[group.name("kernel_scale")] = NewVariable.part(group.name("kernel_scale"), (), np.float32, values, 0)
+        variables[group.name("kernel_scale")] = NewVariable.part(
+            group.name("kernel_scale"), (), np.float32, values, 0, derived_from=group.kernel_uid)
         variables[group.name("inputs_amax_history")] = NewVariable.of(
             group.name("inputs_amax_history"), np.zeros((group.history_length,), np.float32))
         variables[group.name("kernel_amax_history")] = NewVariable.part(
-            group.name("kernel_amax_history"), (group.history_length,), np.float32, values, 1)
+            group.name("kernel_amax_history"), (group.history_length,), np.float32, values, 1, derived_from=group.kernel_uid)
     return variables
 
 
@@ -77,12 +78,28 @@ def _int8_values(read_value, kernel) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _float8_values(read_value, group) -> tuple[np.ndarray, np.ndarray]:
-    """``(kernel scale, kernel amax history)`` from the kernel's ``max|W|``."""
-    amax = float(np.max(np.abs(read_value(group.kernel_uid))))
-    zeros = np.zeros((group.history_length,), np.float32)
-    scale = keras.quantizers.compute_float8_scale(np.float32(amax), np.float32(1.0), np.float32(FLOAT8_E4M3_MAX))
-    history = keras.quantizers.compute_float8_amax_history(np.float32([amax]), zeros)
-    return np.asarray(scale, np.float32).reshape(()), np.asarray(history, np.float32)
+    """``(kernel scale, kernel amax history)`` from the kernel's ``max|W|``.
+
+    Keras's ``compute_float8_scale(amax, 1, e4m3 max)`` and
+    ``compute_float8_amax_history(W, zeros)``, computed in numpy's float32 (the
+    same correctly rounded divisions; a test holds them equal to Keras's): the
+    values are made on the writer's thread beside the save, where each of
+    Keras's small eager ops would wait for the GIL.
+    """
+    amax = np.max(np.abs(read_value(group.kernel_uid))).astype(np.float32)
+    history = np.zeros((group.history_length,), np.float32)
+    history[0] = amax  # the zero history rolled by one, amax scattered into slot 0
+    return float8_scale(amax), history
+
+
+def float8_scale(amax: np.float32) -> np.ndarray:
+    """``keras.quantizers.compute_float8_scale(amax, 1.0, e4m3 max)``: 1 / (max / amax), or 1 where amax is 0 or not finite."""
+    one = np.float32(1.0)
+    if not (np.isfinite(amax) and amax > 0):
+        return np.asarray(one / one, np.float32)
+    with np.errstate(over="ignore", divide="ignore"):
+        factor = np.float32(FLOAT8_E4M3_MAX) / amax / np.float32(1.0)
+        return np.asarray(one / factor, np.float32)
 
 
 def int4_shapes(kernel: Int4Kernel) -> tuple[tuple[int, ...], tuple[int, ...]]:
