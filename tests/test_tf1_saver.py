@@ -104,3 +104,17 @@ def test_checkpointed_objects_other_than_variables_get_tensorflows_saver(tmp_pat
     saved_model = _save(_module(table=table), tmp_path / "out")
     assert not saved_model.meta_graphs[0].saver_def.restore_op_name.startswith("tfpolicy_saver")
     np.testing.assert_array_equal(_tf1_values(tmp_path / "out")["layer/kernel"], VALUES["kernel"])
+
+
+def test_a_model_without_variables_keeps_tensorflows_saver(tmp_path):
+    module = tf.Module()
+    module.f = tf.function(lambda x: 2.0 * x, input_signature=[tf.TensorSpec([None])])
+    options = tf.saved_model.SaveOptions(experimental_skip_saver=True)
+    tf.saved_model.save(module, str(tmp_path / "bare"), options=options)
+    assert not tf1_saver.add_saver(tmp_path / "bare", module)
+    _save(module, tmp_path / "out")
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
+        meta_graph = tf.compat.v1.saved_model.loader.load(session, ["serve"], str(tmp_path / "out"))
+        signature = meta_graph.signature_def["serving_default"]
+        (output,) = signature.outputs.values()
+        np.testing.assert_array_equal(session.run(output.name, {signature.inputs["x"].name: [1.0, 2.0]}), [2.0, 4.0])

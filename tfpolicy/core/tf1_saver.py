@@ -55,7 +55,7 @@ def add_saver(saved_model_dir: pathlib.Path, root: object) -> bool:
     """
     saved = checkpoints.SavedModelCheckpoint(saved_model_dir, root)
     variables = _checkpointed_variables(saved)
-    if variables is None:
+    if not variables or saved.unmatched:  # RestoreV2 needs one key at least; every key needs its variable
         return False
     path = pathlib.Path(saved_model_dir) / SAVED_MODEL_PB
     saved_model = saved_model_pb2.SavedModel()
