@@ -153,6 +153,22 @@ def test_variable_checkpoint_keys_are_the_keys_a_save_gives(tmp_path):
     assert predicted == saved
 
 
+def test_a_saved_variables_handle_op_takes_its_exported_name_and_the_fingerprint_is_rewritten(tmp_path):
+    """What tf1_saver relies on: the save names a variable's VarHandleOp after its shared name."""
+    module = tf.Module()
+    module.v = tf.Variable(np.ones((2,), np.float32), name="block/kernel")
+    tf.saved_model.save(module, str(tmp_path / "m"), options=tf.saved_model.SaveOptions(experimental_skip_saver=True))
+    from tensorflow.core.protobuf import saved_model_pb2  # noqa: PLC0415
+
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((tmp_path / "m" / "saved_model.pb").read_bytes())
+    handles = [n.name for n in saved_model.meta_graphs[0].graph_def.node if n.op == "VarHandleOp"]
+    assert handles == [tf_internals.exported_variable_name(module.v)] == ["block/kernel"]
+    (tmp_path / "m" / "fingerprint.pb").unlink()
+    tf_internals.write_fingerprint(tmp_path / "m")
+    assert tf.saved_model.experimental.read_fingerprint(str(tmp_path / "m")).saved_model_checksum
+
+
 def test_a_function_reading_variables_without_values_lowers_to_hlo_through_stand_ins():
     """TensorFlow refuses to lower a function whose variables have no value; stand-ins of their dtype and shape do."""
     kernel = tf_internals.uninitialized_variable((4, 3), tf.bfloat16, "kernel")

@@ -96,10 +96,10 @@ def float8_scale(amax: np.float32) -> np.ndarray:
     """``keras.quantizers.compute_float8_scale(amax, 1.0, e4m3 max)``: 1 / (max / amax), or 1 where amax is 0 or not finite."""
     one = np.float32(1.0)
     if not (np.isfinite(amax) and amax > 0):
-        return np.asarray(one / one, np.float32)
-    with np.errstate(over="ignore", divide="ignore"):
-        factor = np.float32(FLOAT8_E4M3_MAX) / amax / np.float32(1.0)
-        return np.asarray(one / factor, np.float32)
+        return np.asarray(one)  # the reciprocal of the reciprocal of the current scale, 1
+    with np.errstate(over="ignore"):  # a tiny amax: the factor is inf and the scale 0, as in Keras
+        factor = np.float32(FLOAT8_E4M3_MAX) / amax
+        return np.asarray(one / factor)
 
 
 def int4_shapes(kernel: Int4Kernel) -> tuple[tuple[int, ...], tuple[int, ...]]:
