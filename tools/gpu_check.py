@@ -36,8 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import pathlib
+import re
 import sys
 import tempfile
 import time
@@ -48,6 +48,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+from xla_gpu_run import int8_gemms  # noqa: E402  (tools/xla_gpu_run.py: HLO counting shared with the jax runner)
 
 FP8_GEMM = "__cublas$lt$matmul$f8"
 GEMM_TARGETS = ("__cublas$lt$matmul$f8", "__cublas$lt$matmul", "__cublas$gemm")
@@ -84,6 +86,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--json", type=pathlib.Path, help="also write the results as JSON")
     parser.add_argument("--dump_hlo", type=pathlib.Path, help="write each variant's optimized HLO here")
     parser.add_argument("--workdir", type=pathlib.Path, help="keep the SavedModels here (default: a temporary dir)")
+    parser.add_argument("--export_hlo", type=pathlib.Path, metavar="DIR",
+                        help="no GPU needed: write each variant's XLA HLO (as TF Serving would compile it) and a"
+                             " manifest to DIR, for tools/xla_gpu_run.py on a GPU machine with jax")
     args = parser.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():
@@ -118,7 +123,7 @@ def export_encoder(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.P
 
 
 def make_variant(name: str, fp32_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[Optional[pathlib.Path], str]:
-    """(SavedModel dir or None, note)."""
+    """(SavedModel dir or None, note): the variant written for ``--target gpu``."""
     import tfpolicy
 
     policy_map = VARIANTS[name]
@@ -127,7 +132,7 @@ def make_variant(name: str, fp32_dir: pathlib.Path, workdir: pathlib.Path) -> tu
     out = workdir / name
     started = time.perf_counter()
     try:
-        tfpolicy.rewrite(fp32_dir, out, policy_map, overwrite=True, serving_checks=False)
+        tfpolicy.rewrite(fp32_dir, out, policy_map, overwrite=True, serving_checks=False, target="gpu")
     except tfpolicy.TfPolicyError as exc:
         return None, f"skipped: {exc}"
     return out, f"rewritten in {time.perf_counter() - started:.1f}s"
@@ -157,7 +162,7 @@ def measure(tf: Any, saved_model: pathlib.Path, device: str, args: argparse.Name
         "compile_s": compile_s,
         "ms_per_batch": 1000 * elapsed / max(args.iters, 1),
         "examples_per_s": args.batch * args.iters / elapsed if elapsed > 0 else float("nan"),
-        "gemm_calls": {target: _custom_calls(hlo, target) for target in GEMM_TARGETS},
+        "gemm_calls": {target: hlo.count(f'custom_call_target="{target}"') for target in GEMM_TARGETS},
         "int8_gemms": int8_gemms(hlo),
         "f8_in_hlo": "f8e4m3fn" in hlo or "f8e5m2" in hlo,
         "finite": bool(np.all(np.isfinite(output))),
@@ -165,38 +170,58 @@ def measure(tf: Any, saved_model: pathlib.Path, device: str, args: argparse.Name
     }
 
 
+HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s8": "int8", "u8": "uint8", "s32": "int32",
+              "s64": "int64", "pred": "bool", "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2", "f64": "float64"}
+
+
+def hlo_parameters(hlo: str) -> list[dict]:
+    """The entry computation's parameters, in order: ``[{"shape": [...], "dtype": numpy name}]``."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    found = {}
+    for match in re.finditer(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? parameter\((\d+)\)", entry):
+        dims = [int(d) for d in match.group(2).split(",") if d]
+        found[int(match.group(3))] = {"shape": dims, "dtype": HLO_DTYPES[match.group(1)]}
+    return [found[i] for i in sorted(found)]
+
+
+def export_hlo(tf: Any, saved_model: pathlib.Path, args: argparse.Namespace, name: str, out: pathlib.Path) -> dict:
+    """Write ``serving_default``'s HLO under ``jit_compile=True`` to ``out/name.hlo.pb``; its manifest entry."""
+    import numpy as np
+
+    loaded = tf.saved_model.load(str(saved_model))
+    signature = loaded.signatures["serving_default"]
+    (input_name,) = signature.structured_input_signature[1]
+    x = tf.constant(np.zeros((args.batch, args.seq, args.width), np.float32))
+    run = tf.function(lambda t: signature(**{input_name: t}), jit_compile=True)
+    ir = run.experimental_get_compiler_ir(x)
+    (out / f"{name}.hlo.pb").write_bytes(ir(stage="hlo_serialized"))
+    return {"file": f"{name}.hlo.pb", "parameters": hlo_parameters(ir(stage="hlo")), "baseline": "fp32"}
+
+
+def export_all(tf: Any, args: argparse.Namespace, workdir: pathlib.Path) -> int:
+    """``--export_hlo``: every variant's HLO and a manifest, for tools/xla_gpu_run.py."""
+    args.export_hlo.mkdir(parents=True, exist_ok=True)
+    fp32_dir = export_encoder(args, workdir)
+    shape = {k: getattr(args, k) for k in ("depth", "width", "heads", "seq", "ffn", "batch")}
+    modules = {}
+    for name in VARIANTS:
+        path, note = make_variant(name, fp32_dir, workdir)
+        if path is None:
+            print(f"  {name}: {note}", flush=True)
+            continue
+        modules[name] = export_hlo(tf, path, args, name, args.export_hlo) | {"note": note}
+        print(f"  {name}: {len(modules[name]['parameters'])} parameters", flush=True)
+    manifest = {"source": {"tensorflow": tf.__version__, "encoder": shape}, "modules": modules}
+    (args.export_hlo / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    print(f"wrote {len(modules)} HLO modules to {args.export_hlo}; on the GPU machine: python tools/xla_gpu_run.py {args.export_hlo}")
+    return 0
+
+
 def _error_line(exc: BaseException) -> str:
     """The informative line of a TensorFlow error (not its "in user code:" header)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     useful = [line for line in lines if "Error" in line or "error" in line] or lines or [type(exc).__name__]
     return useful[0][:300]
-
-
-def _custom_calls(hlo: str, target: str) -> int:
-    return hlo.count(f'custom_call_target="{target}"')
-
-
-def int8_gemms(hlo: str) -> int:
-    """Dots and GEMM custom calls of the HLO whose two first operands are int8 (``s8``).
-
-    Optimized HLO names operands without their types, so each instruction's
-    type is looked up within its computation.
-    """
-    count = 0
-    types: dict[str, str] = {}
-    for line in hlo.splitlines():
-        if line and not line.startswith(" "):  # a new computation
-            types = {}
-        match = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = (\S+)", line)
-        if not match:
-            continue
-        types[match.group(1)] = match.group(2)
-        call = line[match.end():]
-        is_gemm = call.lstrip().startswith("dot(") or any(f'custom_call_target="{t}"' in line for t in GEMM_TARGETS)
-        operands = re.findall(r"%[\w.-]+", call[: call.find(")")]) if is_gemm else []
-        if len(operands) >= 2 and all(types.get(o, "").startswith("s8[") for o in operands[:2]):
-            count += 1
-    return count
 
 
 def format_table(rows: dict[str, dict]) -> str:
@@ -240,6 +265,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     import tensorflow as tf
 
+    if args.export_hlo:
+        with tempfile.TemporaryDirectory(prefix="tfpolicy-gpu-check-") as tmp:
+            return export_all(tf, args, args.workdir or pathlib.Path(tmp))
     device, machine = device_report(tf)
     print(machine, flush=True)
     if device is None:
