@@ -1,11 +1,13 @@
-"""int8 as integer arithmetic, exactly as Keras runs its quantized layers.
+"""int8 as integer arithmetic, exactly as Keras runs its quantized layers, in each lowering.
 
 A Keras 3 Dense MLP, an EinsumDense stack and a transformer block are quantized natively
 (``layer.dtype_policy = pm[layer.path]``) and by the rewrite from the same
 float32 weights. Keras multiplies int8 by int8 into int32, casts to the compute
-dtype and divides by ``inputs_scale * kernel_scale``; the rewrite emits that
-sequence, so the outputs agree to the last bit, and every int8 site of the
-output graph is an integer matmul that XLA lowers to an ``s8`` dot.
+dtype and divides by ``inputs_scale * kernel_scale``. The rewrite computes the
+same int32 sums in the form ``--target`` picks (analysis/lowering.py): the
+integers multiplied in float32 (no target), oneDNN's u8 x s8 kernel (``cpu``,
+on CPUs where it is exact) or Keras's own int8 x int8 op, which XLA lowers to
+an ``s8`` dot (``gpu``); the outputs agree with Keras to the last bit in all.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tensorflow as tf
 import keras
 import tfpolicy
 from model_zoo import QUANT_BUILDERS, apply_policy_map_natively
+from tfpolicy.analysis import lowering
 
 MATMUL_OPS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
 
@@ -25,7 +28,7 @@ BUILDERS = QUANT_BUILDERS
 
 
 class Case:
-    def __init__(self, name: str, source: str, root) -> None:
+    def __init__(self, name: str, source: str, root, target=None) -> None:
         keras.utils.set_random_seed(5)
         self.build = BUILDERS[name]
         float_model = self.build()
@@ -33,7 +36,7 @@ class Case:
         # Keras quantizes Dense and EinsumDense, not their containers (MultiHeadAttention).
         quantized = "mha/.+|ffn_.*|head" if name == "transformer_block" else ".*"
         self.policy = {"default_policy": source, "policy_map": {quantized: f"int8_from_{source}"}}
-        self.report = tfpolicy.rewrite(root / "in", root / "out", self.policy)
+        self.report = tfpolicy.rewrite(root / "in", root / "out", self.policy, target=target)
         self.out = root / "out"
         self.weights = float_model.get_weights()
         shape = (5, *float_model.input_shape[1:])
@@ -62,42 +65,87 @@ class Case:
 def cases(tmp_path_factory):
     built = {}
 
-    def get(name: str, source: str) -> Case:
-        if (name, source) not in built:
-            built[name, source] = Case(name, source, tmp_path_factory.mktemp(f"{name}_{source}"))
-        return built[name, source]
+    def get(name: str, source: str, target=None) -> Case:
+        if (name, source, target) not in built:
+            built[name, source, target] = Case(name, source, tmp_path_factory.mktemp(f"{name}_{source}_{target}"), target)
+        return built[name, source, target]
 
     return get
 
 
+ONEDNN_EXACT = lowering.choose("cpu").int8_matmul == "onednn"
+TARGETS = [None, "gpu", pytest.param("cpu", marks=pytest.mark.skipif(
+    not ONEDNN_EXACT, reason="--target cpu lowers to the float form here (no oneDNN, or no VNNI/AMX)"))]
+
+
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 @pytest.mark.parametrize("source", ["float32", "mixed_bfloat16"])
-def test_int8_outputs_equal_keras_bit_for_bit(cases, name, source):
-    case = cases(name, source)
+@pytest.mark.parametrize("target", TARGETS)
+def test_int8_outputs_equal_keras_bit_for_bit(cases, name, source, target):
+    case = cases(name, source, target)
     y_tool, y_keras = case.tool_output(), case.keras_output()
     assert np.abs(y_tool - case.y_fp32).max() > 0  # quantization happened
     np.testing.assert_array_equal(y_tool, y_keras)
 
 
-@pytest.mark.parametrize("name", sorted(set(BUILDERS) - {"transformer_block"}))  # attention's own products stay float
-def test_every_int8_site_is_an_integer_matmul(cases, name):
-    case = cases(name, "mixed_bfloat16")
+def _graph_nodes(case: Case) -> list:
     graph_def = tf.saved_model.load(str(case.out)).signatures["serving_default"].graph.as_graph_def()
-    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
-    contractions = [n for n in nodes if n.op in MATMUL_OPS]
+    return list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+
+
+I8, I32, F32 = tf.int8.as_datatype_enum, tf.int32.as_datatype_enum, tf.float32.as_datatype_enum
+
+
+@pytest.mark.parametrize("name", sorted(set(BUILDERS) - {"transformer_block"}))  # attention's own products stay float
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_int8_site_multiplies_the_int8_kernel_itself(cases, name, target):
+    """No int8 kernel is dequantized: each contraction reads it as int8 (gpu), its integer values (none), or qint8 (cpu)."""
+    case = cases(name, "mixed_bfloat16", target)
+    nodes = _graph_nodes(case)
+    by_name = {n.name: n for n in nodes}
+    form = lowering.choose(target).int8_matmul
+    contractions = [n for n in nodes if n.op in MATMUL_OPS | {"QuantizedMatMulWithBias"}]
     assert contractions
-    for node in contractions:  # int8 x int8 -> int32, and no int8 kernel cast to float before it
-        assert node.op == "BatchMatMulV3", node
-        assert (node.attr["Ta"].type, node.attr["Tb"].type, node.attr["Tout"].type) == (
-            tf.int8.as_datatype_enum, tf.int8.as_datatype_enum, tf.int32.as_datatype_enum)
-    assert not [n for n in nodes if n.op == "Cast" and n.attr["SrcT"].type == tf.int8.as_datatype_enum]
+    for node in contractions:
+        if form == "integer":  # int8 x int8 -> int32
+            assert node.op == "BatchMatMulV3", node
+            assert (node.attr["Ta"].type, node.attr["Tb"].type, node.attr["Tout"].type) == (I8, I8, I32)
+        elif form == "onednn":
+            assert node.op == "QuantizedMatMulWithBias", node
+        else:  # float32 MatMul of integer values: the kernel operand is the int8 kernel cast, not divided by a scale
+            assert node.op == "MatMul" and node.attr["T"].type == F32, node
+            kernel = by_name[node.input[1].split(":")[0].lstrip("^")]
+            while kernel.op == "SplitV":
+                kernel = by_name[kernel.input[0].split(":")[0]]
+            assert kernel.op == "Cast" and kernel.attr["SrcT"].type == I8, kernel
+    dequantized = [n for n in nodes if n.op == "RealDiv" and any("dequantize" in i for i in n.input)]
+    assert not dequantized
     forms = {form for q in case.report.quantization.values() for form in q.forms}
     assert forms == {"integer matmul"}, forms
+    assert case.report.lowering.int8_matmul == form
+
+
+def test_float_form_sums_long_contractions_in_exact_chunks(tmp_path):
+    """A contraction of more than 1040 int8 products is summed in float32 chunks, then in int32: still Keras's."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((2100,))
+    model = keras.Model(inputs, keras.layers.Dense(8, name="wide")(inputs))
+    model.export(str(tmp_path / "in"), verbose=False)
+    tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", {"default_policy": "int8_from_float32"})
+    x = np.random.default_rng(1).normal(size=(4, 2100)).astype(np.float32) * 10
+    native = keras.Model(inputs, model.layers[-1](inputs))
+    native.layers[-1].quantize("int8")
+    y_keras = tf.function(lambda t: native(t))(tf.constant(x)).numpy()
+    (y_tool,) = tf.saved_model.load(str(tmp_path / "out")).signatures["serving_default"](tf.constant(x)).values()
+    np.testing.assert_array_equal(y_tool.numpy(), y_keras)
+    nodes = tf.saved_model.load(str(tmp_path / "out")).signatures["serving_default"].graph.as_graph_def()
+    ops = [n.op for f in nodes.library.function for n in f.node_def] + [n.op for n in nodes.node]
+    assert ops.count("MatMul") == 3 and "AddN" in ops  # ceil(2100 / 1040) = 3 chunks
 
 
 @pytest.mark.parametrize("name", ["dense_mlp", "einsum_dynamic"])
 def test_xla_lowers_the_int8_sites_to_s8_dots(cases, name):
-    case = cases(name, "mixed_bfloat16")
+    case = cases(name, "mixed_bfloat16", "gpu")
     loaded = tf.saved_model.load(str(case.out))  # keeps the variables alive while compiling
     function = loaded.signatures["serving_default"]
     (key,) = function.structured_input_signature[1]

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tfpolicy.analysis import quant_sites
+from tfpolicy.analysis.lowering import Lowering
 from tfpolicy.analysis.layer_index import LayerIndex, VariableInfo
 from tfpolicy.analysis.plan import LayerPlan, Plan
 from tfpolicy.core.graph import Graph
@@ -52,7 +53,10 @@ def _plan(policy: str, mode: str, block_size=None) -> Plan:
     return Plan({"dense": row, None: LayerPlan(None, None, "float32", "float32", "float32", None, None, False, 0, 0)}, ())
 
 
-def _rewrite(mode: str, policy: str, block_size=None):
+INTEGER = Lowering("gpu", "integer", True, "Keras's int8 x int8 -> int32")
+
+
+def _rewrite(mode: str, policy: str, block_size=None, lowering: Lowering = INTEGER):
     graph = _graph()
     index = _index(graph)
     plan = _plan(policy, mode, block_size)
@@ -62,8 +66,8 @@ def _rewrite(mode: str, policy: str, block_size=None):
     qplan = quant_sites.QuantPlan(tuple(sites), (), quant_sites._int8_kernels(sites, index),
                                   quant_sites._float8_groups(sites, index, plan), (),
                                   quant_sites._int4_kernels(sites, index, plan))
-    variables = build_variables(qplan, lambda uid: KERNEL, lambda uid: KERNEL.shape)
-    quantize = QuantizePass("sig", graph, index, qplan, variables)
+    variables = build_variables(qplan, lambda uid: KERNEL, lambda uid: KERNEL.shape, lowering)
+    quantize = QuantizePass("sig", graph, index, qplan, variables, lowering=lowering)
     return graph, qplan, variables, quantize
 
 
@@ -87,6 +91,27 @@ def test_int8_site_becomes_an_integer_matmul_on_the_int8_variable():
     q, scale = variables["dense/kernel"].value, variables["dense/kernel_scale"].value
     assert q.dtype == np.int8 and scale.shape == (3,)
     np.testing.assert_allclose(q / scale, KERNEL, atol=np.abs(KERNEL).max() / 127)
+
+
+def test_int8_site_in_the_float_form_multiplies_the_int8_values_in_float32():
+    graph, _, variables, quantize = _rewrite("int8", "int8_from_float32", lowering=Lowering(None, "float", False, "-"))
+    assert quantize.run().modified and graph.verify() == []
+    (matmul,) = [n for n in graph.nodes.values() if n.op == "MatMul"]
+    assert matmul.attrs["T"].type == DT_FLOAT
+    kernel = graph.producer(TensorRef(matmul.inputs[1]))
+    assert (kernel.op, kernel.attrs["SrcT"].type) == ("Cast", DT_INT8)  # the int8 values themselves, not dequantized
+    assert "BatchMatMulV3" not in _ops(graph) and "dense/kernel_u8_correction" not in variables
+
+
+def test_int8_site_in_the_onednn_form_adds_the_shift_correction():
+    graph, _, variables, quantize = _rewrite("int8", "int8_from_float32", lowering=Lowering("cpu", "onednn", False, "-"))
+    result = quantize.run()
+    assert result.modified and graph.verify() == []
+    (matmul,) = [n for n in graph.nodes.values() if n.op == "QuantizedMatMulWithBias"]
+    assert matmul.attrs["T1"].type == tf.quint8.as_datatype_enum and matmul.attrs["Tbias"].type == tf.qint32.as_datatype_enum
+    correction, q = variables["dense/kernel_u8_correction"].value, variables["dense/kernel"].value
+    np.testing.assert_array_equal(correction, -128 * q.astype(np.int32).sum(axis=0))
+    assert "tfpolicy/dense/kernel_u8_correction" in result.stats.new_captures
 
 
 @pytest.mark.parametrize("block_size, form", [(None, "int4 kernel, divided by its scale after the matmul"),

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tfpolicy.analysis import index_limits, layer_index, quant_sites
+from tfpolicy.analysis import index_limits, layer_index, lowering, quant_sites
 from tfpolicy.analysis.plan import Plan
 from tfpolicy.analysis.plan import plan as make_plan
 from tfpolicy.analysis.policy_map import PolicyMap, PolicyMapSource
@@ -103,7 +103,8 @@ def rewrite(
     state = _run(input_path, output_path, policy_map, signatures, strict, target, int8_convolutions)
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
     built = assemble.assemble(
-        state.model, state.variable_dtypes, state.new_variables, state.passes.new_captures, state.passes.calibration
+        state.model, state.variable_dtypes, state.new_variables, state.passes.new_captures, state.passes.calibration,
+        xla_signatures=_xla_signatures(state),
     )
     report = state.report
     if state.qplan.float8_groups:
@@ -123,6 +124,7 @@ def rewrite(
             report.serving_checks = serving.run(
                 staged, target=target, data=check_data, integer_limits=state.integer_limits,
                 input_dir=input_path, shown_as=output_path, xla=xla,
+                cpu_only_ops=frozenset({"QuantizedMatMulWithBias"}) if state.lowering.cpu_only else frozenset(),
             )
 
         savedmodel_save.save_atomically(
@@ -130,7 +132,8 @@ def rewrite(
             fill=checkpoints.ValueWriter(built.root, built.value_of), check=check if serving_checks else None
         )
     current = {name: variable.numpy() for name, variable in built.new_variables.items() if variable.is_initialized()}
-    report.quantization = quantization_rows(state.qplan, state.passes.quantized, _scales(state.new_variables) | current)
+    report.quantization = quantization_rows(state.qplan, state.passes.quantized, _scales(state.new_variables) | current,
+                                            state.new_variables)
     report.output_bytes = _directory_bytes(output_path)
     logger.debug("wrote %s", output_path)
     return report
@@ -148,6 +151,7 @@ class _State:
     passes: "_PassesDone"
     report: Report
     integer_limits: dict[str, dict[str, int]]  # signature -> input -> tables' smallest size
+    lowering: lowering.Lowering
 
 
 def _run(input_path, output_path, policy_map, signatures, strict, target=None, int8_convolutions=False) -> _State:
@@ -162,6 +166,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None, i
     check_target(the_plan, target)
     _refuse_unsupported_modes(the_plan)
     qplan = quant_sites.analyze(model, index, the_plan, int8_convolutions)
+    chosen = lowering.choose(target)
     warnings = the_plan.unused_key_warnings()
     for name, count in sorted(index.shared_names.items()):
         warnings.append(
@@ -188,13 +193,13 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None, i
         logger.warning(message)
     values_by_uid = {id(v): v for v in model.variables}
     new_variables = build_variables(
-        qplan, lambda uid: model.read(values_by_uid[uid]).numpy(), lambda uid: tuple(values_by_uid[uid].shape)
+        qplan, lambda uid: model.read(values_by_uid[uid]).numpy(), lambda uid: tuple(values_by_uid[uid].shape), chosen
     )
     variable_dtypes = choose_variable_dtypes(the_plan, index, skip=qplan.integer_kernels)
 
     limits = {key: index_limits.integer_limits(program, index) for key, program in model.signatures.items()}
     limits.update({alias: limits[key] for alias, key in model.aliases.items()})
-    passes = _run_passes(model, index, the_plan, qplan, variable_dtypes, new_variables)
+    passes = _run_passes(model, index, the_plan, qplan, variable_dtypes, new_variables, chosen)
     clamped = sum(s.constants_clamped for s in passes.signature_reports)
     if clamped:
         warnings.append(
@@ -213,9 +218,11 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None, i
         warnings=warnings,
         input_bytes=_directory_bytes(input_path),
         # A rewrite reads the scales once the kernels are written (quantized once); explain reads them now.
-        quantization=quantization_rows(qplan, passes.quantized, _scales(new_variables) if output_path is None else {}),
+        quantization=quantization_rows(qplan, passes.quantized, _scales(new_variables) if output_path is None else {},
+                                       new_variables),
+        lowering=chosen if any(s.integer is not None for s in qplan.sites) or (chosen.xla_compile and qplan.sites) else None,
     )
-    return _State(model, the_plan, qplan, variable_dtypes, new_variables, passes, report, limits)
+    return _State(model, the_plan, qplan, variable_dtypes, new_variables, passes, report, limits, chosen)
 
 
 @dataclasses.dataclass
@@ -230,7 +237,7 @@ class _PassesDone:
     calibration: Optional[tuple[str, dict]] = None  # (signature, calibrate outputs)
 
 
-def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variables) -> _PassesDone:
+def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variables, chosen) -> _PassesDone:
     """Per signature: the float pass on every graph, the quantize pass, and calibration where float8 is.
 
     The report is built from the passes' results (``PassResult.stats``).
@@ -242,10 +249,10 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
         graphs = program.all_graphs()
         steps = [(f"float_precision[{program.key}:{g.name}]", g,
                   FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes).run) for g in graphs]
-        quantize = QuantizePass(program.key, program.graph, index, qplan, new_variables)
+        quantize = QuantizePass(program.key, program.graph, index, qplan, new_variables, lowering=chosen)
         steps.append((f"quantize[{program.key}]", program.graph, quantize.run))
         steps.extend((f"quantize[{program.key}:{g.name}]", g,
-                      QuantizePass(program.key, g, index, qplan, new_variables, constant_scales=True).run)
+                      QuantizePass(program.key, g, index, qplan, new_variables, constant_scales=True, lowering=chosen).run)
                      for g in program.functions.values())
         if program.key == calibration_target:
             calibrate = CalibrationPass(quantize, lambda: quantize.result.taps)
@@ -299,6 +306,13 @@ def _signature_report(program, float_results, quantize_result, retyped, declined
     sig_report.functions_rewritten = changed
     sig_report.ops_quantized = sum(quantize_result.quantized.values())
     return sig_report
+
+
+def _xla_signatures(state: _State) -> frozenset[str]:
+    """The signatures to mark for XLA compilation: under --target gpu or tpu, those with quantized sites."""
+    if not state.lowering.xla_compile:
+        return frozenset()
+    return frozenset(s.signature for s in state.qplan.sites)
 
 
 def _refuse_unsupported_modes(the_plan: Plan) -> None:

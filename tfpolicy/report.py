@@ -58,11 +58,14 @@ class QuantizedLayer:
         return text
 
 
-def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: Mapping[str, Any]) -> dict[str, QuantizedLayer]:
+def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: Mapping[str, Any],
+                      added: Mapping[str, Any] = ()) -> dict[str, QuantizedLayer]:
     """One :class:`QuantizedLayer` per layer with a site, a declined op or no op at all.
 
     ``values`` maps the added variables' names to their current values; only
-    the scales are read from it, and a scale it lacks is left out.
+    the scales are read from it, and a scale it lacks is left out. ``added``
+    holds the names of the variables the rewrite adds (a kernel's oneDNN
+    correction is listed when it is one of them).
     """
     layers: dict[str, QuantizedLayer] = {}
 
@@ -81,7 +84,7 @@ def quantization_rows(qplan: QuantPlan, quantized: dict[str, int], values: Mappi
         row(path, mode)
     for kernel in qplan.int8_kernels.values():
         entry = row(kernel.layer, "int8")
-        entry.variables += [kernel.name, kernel.scale_name]
+        entry.variables += [kernel.name, kernel.scale_name] + ([kernel.correction_name] if kernel.correction_name in added else [])
         _add_scale(entry, kernel.scale_name, values)
     for kernel in qplan.int4_kernels.values():
         entry = row(kernel.layer, "int4")
@@ -123,6 +126,7 @@ class Report:
     calibration_batches: int = 0
     serving_checks: Optional[Any] = None  # serving_checks.ServingChecks, when they ran
     validation: Optional[Any] = None  # validation.ValidationReport, with --validate
+    lowering: Optional[Any] = None  # analysis.lowering.Lowering, when int8 matmuls were lowered
 
     @property
     def casts_inserted(self) -> int:
@@ -180,6 +184,7 @@ class Report:
             "output_bytes": self.output_bytes,
             "serving_checks": self.serving_checks.to_json() if self.serving_checks else None,
             "validation": self.validation.to_json() if self.validation else None,
+            "lowering": self.lowering.to_json() if self.lowering else None,
         }
 
     def write_json(self, path: pathlib.Path) -> None:
@@ -213,6 +218,8 @@ class Report:
         for path, quantized in self.quantization.items():
             if quantized.variables:
                 lines.append(f"variables added for {path}: {', '.join(quantized.variables)}")
+        if self.lowering is not None:
+            lines.append(f"lowering: {self.lowering.note}")
         if self.calibration_batches:
             lines.append(f"calibrated on {self.calibration_batches} batches")
         lines.extend(f"warning: {line}" for line in self.plan.unused_key_warnings())

@@ -193,6 +193,8 @@ def _rewrite(input_dir: str, output_dir: str, started: float) -> Report:
         int8_convolutions=FLAGS.int8_convolutions,
     )
     _summary(f"wrote {output_dir} in {time.monotonic() - started:.1f}s: " + _counts(report))
+    if report.lowering is not None:
+        _summary(report.lowering.note)
     if report.serving_checks is not None:
         _summary(report.serving_checks.summary())
     return report
@@ -213,6 +215,8 @@ def _export(input_dir: str, started: float) -> tuple[Report, Optional[Validation
     warmup = f", {result.warmup_records} warmup requests" if result.warmup_records else ""
     _summary(f"exported version {result.version} to {result.path} in {time.monotonic() - started:.1f}s{warmup}: "
              + _counts(result.report))
+    if result.report.lowering is not None:
+        _summary(result.report.lowering.note)
     if result.report.serving_checks is not None:
         _summary(result.report.serving_checks.summary())
     result.report.validation = result.validation

@@ -100,6 +100,11 @@ class Int8Kernel:
     def scale_name(self) -> str:
         return f"{self.name}_scale"
 
+    @property
+    def correction_name(self) -> str:
+        """``-128 x`` the kernel's sums per output channel: the int32 bias of the oneDNN lowering."""
+        return f"{self.name}_u8_correction"
+
 
 @dataclasses.dataclass(frozen=True)
 class Int4Kernel:

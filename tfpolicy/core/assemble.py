@@ -153,8 +153,12 @@ def assemble(
     new_variables: dict[str, NewVariable],
     new_captures: dict[str, dict[str, str]],
     calibration: Optional[tuple[str, dict[str, TensorRef]]] = None,
+    xla_signatures: frozenset[str] = frozenset(),
 ) -> Assembled:
-    """Build the root; ``calibration`` is (signature key, calibrate outputs) or None."""
+    """Build the root; ``calibration`` is (signature key, calibrate outputs) or None.
+
+    The functions of ``xla_signatures`` are marked for XLA compilation.
+    """
     producers: dict[int, Callable[[], tf.Tensor]] = {}
 
     def deferred(shape, dtype, name: str, trainable: bool, produce: Callable[[], tf.Tensor]) -> tf.Variable:
@@ -193,7 +197,8 @@ def assemble(
                 handles[placeholder] = capture.handle
         for placeholder, name in new_captures.get(program.key, {}).items():
             handles[placeholder] = created[name].handle
-        functions[program.key] = savedmodel_save.rebuild_function(program, handles)
+        functions[program.key] = savedmodel_save.rebuild_function(
+            program, handles, xla_compile=program.key in xla_signatures)
         if calibration is not None and calibration[0] == program.key:
             calibrate = savedmodel_save.rebuild_function(program, handles, outputs=calibration[1])
     for alias, key in model.aliases.items():

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
-from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
+from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2, saved_model_pb2
 
 from tfpolicy.core import checkpoints, tf_internals, tf_names
 from tfpolicy.core.graph import Graph, Node
@@ -89,6 +89,16 @@ def check_input_dir(path: pathlib.Path) -> None:
         raise SavedModelError(
             f"input '{path}' is not a SavedModel: it has no saved_model.pb"
         )
+
+
+def read_meta_graph(path: pathlib.Path, tag: str = "serve") -> Optional[meta_graph_pb2.MetaGraphDef]:
+    """The MetaGraphDef of ``path``'s ``saved_model.pb`` tagged ``tag`` (graph, library, signatures), or None."""
+    saved_model = saved_model_pb2.SavedModel()
+    try:
+        saved_model.ParseFromString((pathlib.Path(path) / "saved_model.pb").read_bytes())
+    except (OSError, ValueError):
+        return None
+    return next((m for m in saved_model.meta_graphs if tag in m.meta_info_def.tags), None)
 
 
 def load(path: pathlib.Path, signatures: Optional[Sequence[str]] = None, *, streamed: bool = False) -> LoadedModel:

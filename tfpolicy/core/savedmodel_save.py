@@ -144,6 +144,7 @@ def rebuild_function(
     program: SignatureProgram,
     handles: dict[str, object],
     outputs: Optional[dict[str, TensorRef]] = None,
+    xla_compile: bool = False,
 ):
     """A ConcreteFunction from the edited graph, capture placeholders mapped to ``handles``.
 
@@ -152,7 +153,8 @@ def rebuild_function(
     The graph is pruned to what those outputs need (so a serving function
     never runs the calibration's assignments), imported into a FuncGraph, and
     the surviving capture placeholders are bound to ``handles``; this is
-    ``function_from_graph_def`` without its op-by-op copy.
+    ``function_from_graph_def`` without its op-by-op copy. ``xla_compile``
+    marks it for XLA compilation (``_XlaMustCompile``), which TF Serving honours.
     """
     graph = program.graph
     wanted = graph.outputs if outputs is None else outputs
@@ -180,7 +182,7 @@ def rebuild_function(
         fn_graph.structured_outputs = fetched
     fn_graph.outputs.extend(tf.nest.flatten(fn_graph.structured_outputs, expand_composites=True))
     fn_graph.structured_input_signature = original.structured_input_signature
-    return tf_internals.concrete_function(fn_graph, feed_tensors)
+    return tf_internals.concrete_function(fn_graph, feed_tensors, xla_compile)
 
 
 def save_atomically(

@@ -22,7 +22,7 @@ from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import fingerprinting_utils
 from tensorflow.python.trackable import asset, autotrackable, resource, trackable_utils
-from tensorflow.python.util import deprecation, nest
+from tensorflow.python.util import _pywrap_util_port, deprecation, nest
 
 
 def op_def(op_type: str) -> Optional[op_def_pb2.OpDef]:
@@ -40,6 +40,15 @@ def registered_kernels(op_type: str) -> Sequence[kernel_def_pb2.KernelDef]:
     No public API lists kernels; it is how tfpolicy knows a bfloat16 op will run.
     """
     return kernels.get_registered_kernels_for_op(op_type).kernel
+
+
+def onednn_enabled() -> bool:
+    """Whether this process runs TensorFlow's oneDNN kernels (x86 builds, unless TF_ENABLE_ONEDNN_OPTS=0).
+
+    oneDNN's quantized matmul kernels (``QuantizedMatMulWithBias``) compute
+    only then; no public API says whether they are on.
+    """
+    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def run_grappler(config: config_pb2.ConfigProto, meta_graph: meta_graph_pb2.MetaGraphDef) -> graph_pb2.GraphDef:
@@ -124,14 +133,22 @@ def new_func_graph(name: str, graph_def: graph_pb2.GraphDef) -> Any:
     return graph
 
 
-def concrete_function(graph: Any, inputs: Sequence[Any]) -> Any:
+XLA_MUST_COMPILE = "_XlaMustCompile"
+"""The function attribute ``tf.function(jit_compile=True)`` sets: TensorFlow (TF Serving's session too) runs
+such a function as one XLA computation."""
+
+
+def concrete_function(graph: Any, inputs: Sequence[Any], xla_compile: bool = False) -> Any:
     """A ConcreteFunction over a finished ``FuncGraph``, callable with ``inputs`` by keyword.
 
     ``WrappedFunction`` is what ``tf.compat.v1.wrap_function`` returns; built
     here directly, it skips that function's op-by-op graph copy. The two
-    argument attributes are what ``WrappedFunction.prune`` sets.
+    argument attributes are what ``WrappedFunction.prune`` sets. With
+    ``xla_compile`` its FunctionDef carries ``_XlaMustCompile``, as
+    ``jit_compile=True`` would set: a function from a graph has no public way to get it.
     """
-    function = wrap_function.WrappedFunction(graph, variable_holder=wrap_function.VariableHolder())
+    attrs = {XLA_MUST_COMPILE: True} if xla_compile else None
+    function = wrap_function.WrappedFunction(graph, variable_holder=wrap_function.VariableHolder(), attrs=attrs)
     function._num_positional_args = len(inputs)  # noqa: SLF001
     function._arg_keywords = [tensor.op.name for tensor in inputs]  # noqa: SLF001
     return function

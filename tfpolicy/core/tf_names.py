@@ -30,6 +30,10 @@ DT_BFLOAT16 = types_pb2.DT_BFLOAT16
 DT_DOUBLE = types_pb2.DT_DOUBLE
 DT_INT8 = types_pb2.DT_INT8
 DT_INT32 = types_pb2.DT_INT32
+DT_UINT8 = types_pb2.DT_UINT8
+DT_QINT8 = types_pb2.DT_QINT8
+DT_QUINT8 = types_pb2.DT_QUINT8
+DT_QINT32 = types_pb2.DT_QINT32
 DT_FLOAT8_E4M3FN = types_pb2.DT_FLOAT8_E4M3FN
 DT_RESOURCE = types_pb2.DT_RESOURCE
 DT_STRING = types_pb2.DT_STRING
@@ -73,6 +77,10 @@ def bool_attr(value: bool) -> attr_value_pb2.AttrValue:
 
 def int_attr(value: int) -> attr_value_pb2.AttrValue:
     return attr_value_pb2.AttrValue(i=value)
+
+
+def string_attr(value: str) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(s=value.encode())
 
 
 def type_list_attr(dtypes: Sequence[int]) -> attr_value_pb2.AttrValue:

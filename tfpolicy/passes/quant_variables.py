@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpolicy.analysis.lowering import Lowering
 from tfpolicy.analysis.quant_sites import Int4Kernel, QuantPlan
 from tfpolicy.core.assemble import LazyValues, NewVariable
 from tfpolicy.core.tf_names import DT_FLOAT, DT_FLOAT8_E4M3FN, DT_INT8, DT_INT32
@@ -31,10 +32,13 @@ INT32 = DT_INT32
 INT8_RANGE = float(np.iinfo(np.int8).max)
 EPSILON = float(keras.config.epsilon())
 FLOAT8_E4M3_MAX = float(tf.dtypes.experimental.float8_e4m3fn.max)
+U8_SHIFT = 128
+"""oneDNN's quantized matmul takes uint8 inputs: int8 values are shifted by 128 (see analysis/lowering.py)."""
 
 
 def build_variables(
-    qplan: QuantPlan, read_value: Callable[[int], np.ndarray], shape_of: Callable[[int], tuple[int, ...]]
+    qplan: QuantPlan, read_value: Callable[[int], np.ndarray], shape_of: Callable[[int], tuple[int, ...]],
+    lowering: Optional[Lowering] = None,
 ) -> dict[str, NewVariable]:
     """Every variable the quantization adds, by name, with its shape and dtype now and its value when asked.
 
@@ -44,14 +48,20 @@ def build_variables(
     initial state until calibration); the kernel's scale and history from
     its weights (``history[0] = max|W|``). ``read_value(uid)`` is called for
     a kernel only when one of its values is read (see :class:`LazyValues`).
+    Under the oneDNN lowering, an int8 kernel that an integer matmul reads
+    also gets ``<kernel>_u8_correction``, ``-128`` times its sums over the
+    contracted axes (int32, one per output channel, in the scale's frame).
     """
     variables: dict[str, NewVariable] = {}
+    integer = {s.variable_uid for s in qplan.sites if s.integer is not None}
     for kernel in sorted(qplan.int8_kernels.values(), key=lambda k: k.name):
         shape = shape_of(kernel.uid)
         values = LazyValues(functools.partial(_int8_values, read_value, kernel))
         kept = [d for axis, d in enumerate(shape) if axis not in kernel.reduced_axes]
         variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid)
         variables[kernel.scale_name] = NewVariable.part(kernel.scale_name, kept, np.float32, values, 1)
+        if lowering is not None and lowering.int8_matmul == "onednn" and kernel.uid in integer:
+            variables[kernel.correction_name] = NewVariable.part(kernel.correction_name, kept, np.int32, values, 2)
     for kernel in sorted(qplan.int4_kernels.values(), key=lambda k: k.name):
         packed, scale = int4_shapes(kernel)
         values = LazyValues(lambda kernel=kernel: int4_values(read_value(kernel.uid), kernel))
@@ -71,10 +81,11 @@ def build_variables(
     return variables
 
 
-def _int8_values(read_value, kernel) -> tuple[np.ndarray, np.ndarray]:
-    """``(int8 kernel, scale)`` by Keras's ``abs_max_quantize``."""
+def _int8_values(read_value, kernel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(int8 kernel, scale, u8 correction)``: Keras's ``abs_max_quantize``, and ``-128 x`` the kernel's channel sums."""
     q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
-    return q, np.squeeze(scale, axis=kernel.reduced_axes)
+    correction = np.int32(-U8_SHIFT) * q.astype(np.int32).sum(axis=kernel.reduced_axes, dtype=np.int32)
+    return q, np.squeeze(scale, axis=kernel.reduced_axes), correction.astype(np.int32)
 
 
 def _float8_values(read_value, group) -> tuple[np.ndarray, np.ndarray]:

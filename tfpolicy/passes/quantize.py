@@ -45,10 +45,15 @@ from typing import Optional
 import numpy as np
 
 from tfpolicy.analysis.layer_index import LayerIndex
+from tfpolicy.analysis.lowering import FLOAT_EXACT_CONTRACTION, Lowering
+from tfpolicy.analysis.lowering import choose as choose_lowering
+from tfpolicy.analysis.quant_records import IntegerMatmul
 from tfpolicy.analysis.quant_sites import Float8Group, Int8Kernel, QuantPlan, Site
 from tfpolicy.core.graph import Graph, Node
-from tfpolicy.core.tf_names import TensorRef
+from tfpolicy.core.tf_names import DT_FLOAT, DT_QINT8, DT_QINT32, DT_QUINT8, DT_UINT8, TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
+from tfpolicy.core.tf_names import int_attr as _int
+from tfpolicy.core.tf_names import string_attr as _str
 from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.passes import PassResult
 from tfpolicy.passes.builder import CAPTURE_SCOPE, GraphBuilder  # noqa: F401  (CAPTURE_SCOPE re-exported)
@@ -61,6 +66,7 @@ from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the f
     INT8,
     INT8_RANGE,
     INT32,
+    U8_SHIFT,
     NewVariable,
     build_variables,
 )
@@ -102,12 +108,15 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         qplan: QuantPlan,
         variables: dict[str, NewVariable],
         constant_scales: bool = False,
+        lowering: Optional[Lowering] = None,
     ) -> None:
         super().__init__(graph, variables, constant_scales)
         self.signature, self.index, self.qplan = signature, index, qplan
+        self.lowering = lowering or choose_lowering(None)
         self.result = QuantizeResult(new_captures=self.new_captures)
         self._qdq: dict[tuple, TensorRef] = {}
-        self._tokens: dict[str, tuple[TensorRef, TensorRef]] = {}  # input -> (int8 values, scale)
+        self._tokens: dict[str, tuple[TensorRef, TensorRef]] = {}  # input -> (integer values, scale)
+        self._token_forms: dict[tuple[str, str], TensorRef] = {}  # (integer values, form) -> int8/float32/quint8
         self._int8_consumers: set[str] = set()  # nodes that read an int8 (or packed int4) kernel as such
         self._unpacked: dict[str, TensorRef] = {}  # int4 kernel read -> its int8 values
         self._taps: dict[tuple, CalibrationTap] = {}
@@ -178,7 +187,7 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
                 self.graph.replace_input(self.graph.nodes[consumer], position, value)
 
     def _integer_matmul(self, site: Site) -> None:
-        """The site becomes int8 x int8 -> int32, then Keras's rescale (see the module doc)."""
+        """The site becomes int8 x int8 -> int32 in the lowering's form, then Keras's rescale (see the module doc)."""
         node = self.graph.nodes[site.node]
         form = site.integer
         inputs = dict(node.data_inputs())
@@ -192,28 +201,22 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         if form.prefix_rank is not None and len(form.contracted) > 1:  # einsum: flatten the contracted axes
             x = self.op("Reshape", f"{base}/flatten_input", [x, self.reshape_target(leading, [contracted], f"{base}/input")],
                         T=T, Tshape=_type(INT32))
-        xq, input_scale = self._quantize_per_token(x, dtype)
+        values, input_scale = self._quantize_per_token(x, dtype)
         kernel = TensorRef(site.read_node)  # the int8 variable itself, in the op's layout
         for step, (op, operand) in enumerate(form.kernel_layout):
             attrs = {"Transpose": {"Tperm": _type(INT32)}, "Reshape": {"Tshape": _type(INT32)}}.get(op, {"Tdim": _type(INT32)})
             operand = operand[0] if op == "ExpandDims" else list(operand)
             kernel = self.op(op, f"{base}/kernel_{step}", [kernel, self.const(f"{base}/kernel_{step}_operand", operand, INT32)],
                              T=_type(INT8), **attrs)
-        if reshaped:
+        if reshaped or self.lowering.int8_matmul != "integer":
             kernel = self.op("Reshape", f"{base}/kernel_2d", [kernel, self.const(f"{base}/kernel_2d_shape", [contracted, free], INT32)],
                              T=_type(INT8), Tshape=_type(INT32))
-        product = self.op("BatchMatMulV3", f"{base}/matmul", [xq, kernel], Ta=_type(INT8), Tb=_type(INT8),
-                          Tout=_type(INT32), adj_x=_bool(False), adj_y=_bool(form.transpose_kernel))
-        self._int8_consumers.add(kernel.node if kernel.node != site.read_node else product.node)
+        product = {"integer": self._integer_product, "float": self._float_product, "onednn": self._onednn_product}[
+            self.lowering.int8_matmul](values, dtype, kernel, site, base)
+        self._int8_consumers.update(c for c, _ in self.graph.uses(TensorRef(site.read_node)) if c.startswith(f"{base}/"))
         as_float = self.cast(product, dtype, f"{base}/cast")
         scale_name = self.qplan.int8_kernels[site.variable_uid].scale_name
-        kernel_scale = self.scale_as(scale_name, dtype)  # one per output channel, in the variable's frame
-        if len(self.variables[scale_name].shape) != 1:
-            kernel_scale = self.op("Reshape", f"{base}/kernel_scale", [kernel_scale, self.const(f"{base}/free", [free], INT32)],
-                                   T=T, Tshape=_type(INT32))
-        if form.scale_order is not None:
-            kernel_scale = self.take(kernel_scale, self.const(f"{base}/columns", list(form.scale_order), INT32), 0,
-                                     f"{base}/kernel_scale_columns")
+        kernel_scale = self._in_columns(self.scale_as(scale_name, dtype), scale_name, form, f"{base}/kernel_scale")
         output_scale = self.op("Mul", f"{base}/output_scale", [kernel_scale, input_scale], T=T)
         if len(form.free) > 1:  # einsum: unflatten the output axes
             divided = self.op("RealDiv", f"{base}/rescale", [as_float, output_scale], T=T)
@@ -223,15 +226,105 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
             self.graph.redefine(node, "RealDiv", [str(as_float), str(output_scale)], {"T": T})
         self.graph.remove_if_unused(old_kernel.node)
 
+    def _in_columns(self, per_channel: TensorRef, variable: str, form: IntegerMatmul, name: str) -> TensorRef:
+        """A new variable's value per output channel (a scale, a correction), in the matmul's column order."""
+        dtype = self.graph.tensor_dtype(per_channel)
+        value = per_channel
+        if len(self.variables[variable].shape) != 1:
+            value = self.op("Reshape", f"{name}", [value, self.const(f"{name}/free", [int(np.prod(form.free))], INT32)],
+                            T=_type(dtype), Tshape=_type(INT32))
+        if form.scale_order is not None:
+            value = self.take(value, self.const(f"{name}/columns", list(form.scale_order), INT32), 0, f"{name}_columns")
+        return value
+
+    def _integer_product(self, values: TensorRef, dtype: int, kernel: TensorRef, site: Site, base: str) -> TensorRef:
+        """Keras's op: ``BatchMatMulV3(int8, int8) -> int32`` (an XLA s8 dot)."""
+        xq = self._token_values(values, "int8", dtype)
+        return self.op("BatchMatMulV3", f"{base}/matmul", [xq, kernel], Ta=_type(INT8), Tb=_type(INT8),
+                       Tout=_type(INT32), adj_x=_bool(False), adj_y=_bool(site.integer.transpose_kernel))
+
+    def _float_product(self, values: TensorRef, dtype: int, kernel: TensorRef, site: Site, base: str) -> TensorRef:
+        """The same integers multiplied in float32, exactly: in chunks of at most 1040 contracted values.
+
+        Returns float32 when one matmul holds the sum, else the chunks' int32 sum.
+        """
+        form = site.integer
+        transpose, contracted, free = form.transpose_kernel, int(np.prod(form.contracted)), int(np.prod(form.free))
+        rows, restore = self._as_rows(self._token_values(values, "float32", dtype), contracted, free, DT_FLOAT, base)
+        weights = self.cast(kernel, DT_FLOAT, f"{base}/kernel_float32")
+        chunks = -(-contracted // FLOAT_EXACT_CONTRACTION)
+        if chunks == 1:
+            return restore(self.op("MatMul", f"{base}/matmul", [rows, weights], T=_type(DT_FLOAT),
+                                   transpose_a=_bool(False), transpose_b=_bool(transpose)))
+        sizes = [contracted // chunks + (1 if i < contracted % chunks else 0) for i in range(chunks)]
+        row_parts = self._split(rows, sizes, 1, f"{base}/input_chunks")
+        weight_parts = self._split(weights, sizes, 1 if transpose else 0, f"{base}/kernel_chunks")
+        sums = []
+        for i, (r, w) in enumerate(zip(row_parts, weight_parts)):
+            part = self.op("MatMul", f"{base}/matmul_{i}", [r, w], T=_type(DT_FLOAT), transpose_a=_bool(False),
+                           transpose_b=_bool(transpose))
+            sums.append(self.cast(part, INT32, f"{base}/matmul_{i}_int32"))
+        return restore(self.op("AddN", f"{base}/sum", sums, N=_int(len(sums)), T=_type(INT32)))
+
+    def _onednn_product(self, values: TensorRef, dtype: int, kernel: TensorRef, site: Site, base: str) -> TensorRef:
+        """oneDNN's ``QuantizedMatMulWithBias``: ``(x + 128) . W`` plus the int32 bias ``-128 . sum(W)``."""
+        form = site.integer
+        transpose, contracted, free = form.transpose_kernel, int(np.prod(form.contracted)), int(np.prod(form.free))
+        rows, restore = self._as_rows(self._token_values(values, "quint8", dtype), contracted, free, DT_QUINT8, base)
+        weights = self.op("Bitcast", f"{base}/kernel_qint8", [kernel], T=_type(INT8), type=_type(DT_QINT8))
+        name = self.qplan.int8_kernels[site.variable_uid].correction_name
+        correction = self._in_columns(self.read(name), name, form, f"{base}/correction")
+        bias = self.op("Bitcast", f"{base}/correction_qint32", [correction], T=_type(INT32), type=_type(DT_QINT32))
+        bounds = [self.const(f"{base}/{n}", v, DT_FLOAT) for n, v in
+                  (("min_input", 0.0), ("max_input", 255.0), ("min_kernel", -INT8_RANGE), ("max_kernel", INT8_RANGE))]
+        product = self.op("QuantizedMatMulWithBias", f"{base}/matmul", [rows, weights, bias, *bounds],
+                          T1=_type(DT_QUINT8), T2=_type(DT_QINT8), Tbias=_type(DT_QINT32), Toutput=_type(DT_QINT32),
+                          transpose_a=_bool(False), transpose_b=_bool(transpose), input_quant_mode=_str("MIN_FIRST"))
+        return restore(self.op("Bitcast", f"{base}/matmul_int32", [product], T=_type(DT_QINT32), type=_type(INT32)))
+
+    def _as_rows(self, x: TensorRef, contracted: int, free: int, dtype: int, base: str):
+        """``x`` as a matrix of rows ``(-1, contracted)``, and how to give a product its leading axes back."""
+        leading = self.leading_dims(x, -1, f"{base}/rows")
+        rows = self.op("Reshape", f"{base}/rows", [x, self.const(f"{base}/rows_shape", [-1, contracted], INT32)],
+                       T=_type(dtype), Tshape=_type(INT32))
+
+        def restore(product: TensorRef) -> TensorRef:
+            shape = self.reshape_target(leading, [free], f"{base}/product")
+            return self.op("Reshape", f"{base}/product", [product, shape],
+                           T=_type(self.graph.tensor_dtype(product)), Tshape=_type(INT32))
+
+        return rows, restore
+
+    def _split(self, x: TensorRef, sizes: list[int], axis: int, name: str) -> list[TensorRef]:
+        node = self.graph.add_node("SplitV", name, [str(x), str(self.const(f"{name}/sizes", sizes, INT32)),
+                                                    str(self.const(f"{name}/axis", axis, INT32))],
+                                   {"T": _type(self.graph.tensor_dtype(x)), "Tlen": _type(INT32),
+                                    "num_split": _int(len(sizes))})
+        return [TensorRef(node.name, i) for i in range(len(sizes))]
+
     def _quantize_per_token(self, x: TensorRef, dtype: int) -> tuple[TensorRef, TensorRef]:
-        """Keras's ``abs_max_quantize`` along the last axis: ``(int8 values, scale)``, shared per input."""
+        """Keras's ``abs_max_quantize`` along the last axis: ``(integer values in dtype, scale)``, shared per input."""
         key = str(x)
         if key not in self._tokens:
-            base = f"{x.node}/tfpolicy/int8_tokens"
-            values, scale = self._abs_max(x, (-1,), dtype, base)
-            q = self.cast(values, INT8, f"{base}/to_int8")
-            self._tokens[key] = (q, scale)
+            self._tokens[key] = self._abs_max(x, (-1,), dtype, f"{x.node}/tfpolicy/int8_tokens")
         return self._tokens[key]
+
+    def _token_values(self, values: TensorRef, form: str, dtype: int) -> TensorRef:
+        """The quantized input's integer values as ``int8``, ``float32`` or ``quint8`` (shifted by 128)."""
+        key = (str(values), form)
+        if key not in self._token_forms:
+            base = values.node.rsplit("/", 1)[0]  # .../int8_tokens
+            if form == "int8":
+                ref = self.cast(values, INT8, f"{base}/to_int8")
+            elif form == "float32":
+                ref = self.cast(values, DT_FLOAT, f"{base}/to_float32")
+            else:
+                shifted = self.op("AddV2", f"{base}/shift", [values, self.const(f"{base}/u8_shift", U8_SHIFT, dtype)],
+                                  T=_type(dtype))
+                as_uint8 = self.cast(shifted, DT_UINT8, f"{base}/to_uint8")
+                ref = self.op("Bitcast", f"{base}/to_quint8", [as_uint8], T=_type(DT_UINT8), type=_type(DT_QUINT8))
+            self._token_forms[key] = ref
+        return self._token_forms[key]
 
     def _abs_max(self, x: TensorRef, axes: tuple[int, ...], dtype: int, base: str) -> tuple[TensorRef, TensorRef]:
         """``(clip(round(x * s), +-127), s)``, ``s = 127 / (max|x| over axes + 1e-7)``, in ``dtype``."""

@@ -30,7 +30,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfpolicy.analysis.plan import Plan
-from tfpolicy.core import tf_internals
+from tfpolicy.core import savedmodel_io, tf_internals
+from tfpolicy.serving import device_kernels
 from tfpolicy.errors import ServingCheckError, TargetError, cause_line
 from tfpolicy.validation import inputs
 
@@ -71,6 +72,7 @@ class ServingChecks:
     signatures: tuple[SignatureCheck, ...]
     tf1_seconds: float
     xla_seconds: float
+    off_gpu: Optional[dict[str, list[str]]] = None  # --target gpu: ops outside XLA with no GPU kernel, per signature
 
     @property
     def xla_failures(self) -> list[SignatureCheck]:
@@ -84,14 +86,20 @@ class ServingChecks:
             "signatures": [s.to_json() for s in self.signatures],
             "tf1_seconds": round(self.tf1_seconds, 3),
             "xla_seconds": round(self.xla_seconds, 3),
+            "off_gpu": self.off_gpu,
         }
 
     def summary(self) -> str:
         """One line: ``serving checks: TF1 loader ran 2 signatures by tensor name; XLA: ...``."""
         xla = "; ".join(_xla_phrase(s) for s in self.signatures)
+        gpu = ""
+        if self.off_gpu is not None:
+            held = sum(len(v) for v in self.off_gpu.values())
+            gpu = ("; GPU kernels: every op outside XLA has one" if not held else
+                   f"; GPU kernels: {held} op type(s) the input also runs on the host")
         return (
             f"serving checks ({self.tf1_seconds + self.xla_seconds:.1f}s): TF1 session loader ran "
-            f"{len(self.signatures)} signature(s) by tensor name; XLA (jit_compile): {xla}"
+            f"{len(self.signatures)} signature(s) by tensor name; XLA (jit_compile): {xla}{gpu}"
         )
 
 
@@ -143,6 +151,7 @@ def run(
     input_dir: Optional[pathlib.Path] = None,
     shown_as: Optional[pathlib.Path] = None,
     xla: Optional[XlaCheck] = None,
+    cpu_only_ops: frozenset[str] = frozenset(),
 ) -> ServingChecks:
     """Both checks on the SavedModel at ``saved_model_dir``.
 
@@ -156,7 +165,9 @@ def run(
     saved there, gives the XLA outcomes: it is started as the TF1 check runs
     the first signature, and lowers while the session runs it. Without
     it the SavedModel is loaded again and lowered here. The TF1 check always
-    loads it from disk, as TF Serving does.
+    loads it from disk, as TF Serving does. A signature that does not compile
+    only because of ``cpu_only_ops`` (the CPU-only kernels ``--target cpu``
+    chose) is reported, not refused.
 
     Raises :class:`ServingCheckError` when the TF1 loader cannot load or run a
     signature, and, for ``target="tpu"``, when a signature does not compile
@@ -167,8 +178,10 @@ def run(
     feeds = CheckInputs(data or {}, integer_limits or {}, seed)
     # The XLA lowering holds the GIL from start to end; a session's run releases it (grappler,
     # kernels, the forward pass: the TF1 check's longest part), so the lowering starts just before it.
-    tf1, digests = _run_tf1(saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as, before_run=xla.start if xla else None)
+    tf1, digests, meta_graph = _run_tf1(
+        saved_model_dir, seed=seed, feeds=feeds, shown_as=shown_as, before_run=xla.start if xla else None)
     tf1_seconds = time.monotonic() - started
+    off_gpu = _device_kernel_check(meta_graph, input_dir) if target == "gpu" else None
     if xla is None:
         loaded = tf.saved_model.load(str(saved_model_dir))
         with XlaCheck(loaded.signatures, feeds, same=digests) as xla:
@@ -183,6 +196,7 @@ def run(
         ),
         tf1_seconds,
         xla.seconds,
+        off_gpu,
     )
     for failed in checks.xla_failures:
         message = f"signature '{failed.signature}' does not compile under XLA (jit_compile=True): " + (
@@ -190,6 +204,9 @@ def run(
         )
         if target == "tpu":
             raise ServingCheckError(f"--target tpu: {message}; TPU serving needs every signature to compile")
+        if cpu_only_ops and _only_cpu_kernels(failed, cpu_only_ops):
+            logger.info("%s: --target cpu chose CPU-only kernels there (%s)", message, ", ".join(sorted(cpu_only_ops)))
+            continue
         if input_dir is not None and _compiles(input_dir, failed.signature, feeds):
             raise ServingCheckError(
                 f"{message}, but it did before the rewrite; a rewrite must not break compilation"
@@ -197,6 +214,29 @@ def run(
             )
         logger.warning(message)
     return checks
+
+
+def _device_kernel_check(meta_graph: Any, input_dir: Optional[pathlib.Path]) -> dict[str, list[str]]:
+    """--target gpu: refuse ops the rewrite left outside XLA that have no GPU kernel; return those the input had too."""
+    output = device_kernels.missing_gpu_kernels(meta_graph)
+    source_graph = savedmodel_io.read_meta_graph(input_dir) if input_dir is not None else None
+    source = device_kernels.missing_gpu_kernels(source_graph) if source_graph is not None else {}
+    added = device_kernels.new_missing(output, source)
+    if added:
+        key, ops = next(iter(added.items()))
+        more = f" (and {len(added) - 1} more signature(s))" if len(added) > 1 else ""
+        raise ServingCheckError(
+            f"--target gpu: signature '{key}' has ops outside XLA-compiled functions with no GPU kernel, which would"
+            f" run on the host CPU: {', '.join(ops[:6])}{' ...' if len(ops) > 6 else ''}{more}"
+        )
+    return {key: [f"{entry} x{n}" for entry, n in sorted(counts.items())] for key, counts in output.items() if counts}
+
+
+def _only_cpu_kernels(failed: SignatureCheck, cpu_only_ops: frozenset[str]) -> bool:
+    """Whether what XLA stumbled on in ``failed`` is only ops of ``cpu_only_ops``."""
+    if failed.xla_unsupported:
+        return all(entry.split(" ", 1)[0] in cpu_only_ops for entry in failed.xla_unsupported)
+    return any(op in failed.xla_error for op in cpu_only_ops)
 
 
 def _compiles(saved_model_dir: pathlib.Path, key: str, feeds: CheckInputs) -> bool:
@@ -303,8 +343,8 @@ def _run_tf1(
     feeds: Optional[CheckInputs],
     shown_as: Optional[pathlib.Path],
     before_run: Optional[Callable[[], None]] = None,
-) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, str]]:
-    """:func:`run_tf1`, and the signatures' computation digests; ``before_run()`` is called before the first signature runs."""
+) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, str], Any]:
+    """:func:`run_tf1`, the signatures' computation digests and the MetaGraphDef; ``before_run()`` is called before the first signature runs."""
     graph = tf.Graph()
     results: dict[str, dict[str, np.ndarray]] = {}
     try:
@@ -338,7 +378,7 @@ def _run_tf1(
             f"the TF1 session loader (TF Serving's) cannot load '{shown_as or saved_model_dir}':"
             f" {_first_line(str(exc))}"
         ) from exc
-    return results, digests
+    return results, digests, meta_graph
 
 
 def _spec_of(info: Any) -> tf.TensorSpec:

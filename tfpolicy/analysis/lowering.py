@@ -1,0 +1,151 @@
+"""How the quantized sites are lowered for the serving target: the fastest form that keeps Keras's numbers.
+
+A pure choice from ``--target`` and the machine the rewrite runs on, made
+once per rewrite and handed to the quantize pass and the save::
+
+    target    int8 matmul (x int8 per token, kernel int8, exact int32 sums)      signatures
+    --------  ------------------------------------------------------------------  -------------------
+    none      "float":   the integers multiplied in float32 (runs everywhere)     as they are
+    cpu       "onednn":  oneDNN's u8 x s8 kernel, x + 128 and -128 x column sums  as they are
+              (only where oneDNN is on and the CPU's int8 dot cannot saturate;
+              else "float")
+    gpu, tpu  "integer": Keras's int8 x int8 -> int32 BatchMatMulV3, XLA's s8 dot  marked for XLA
+
+All three give the same int32 sums, so the output equals Keras's bit for bit:
+
+* **integer** is Keras's own op. TensorFlow has a generic CPU kernel for it
+  and no GPU kernel, so it is only worth serving under XLA, where it becomes
+  an ``s8`` GEMM (GPU int8 tensor cores, TPU MXU): the signatures that hold
+  such sites are marked for XLA compilation.
+* **float** multiplies the same integers as float32 values. Every product is
+  exact and every partial sum is an integer of magnitude at most
+  ``K * 127 * 127``, exact in float32 below ``2**24``, so ``K <= 1040``
+  contracted values are summed in one matmul and longer ones in chunks of at
+  most 1040 whose int32 results are added. It runs on any CPU and GPU, with or
+  without oneDNN, and under XLA, at float32 matmul speed.
+* **onednn** shifts the int8 input by 128 to uint8 and adds ``-128 * column
+  sums`` of the kernel (an int32 variable, ``<kernel>_u8_correction``) as the
+  int32 bias of ``QuantizedMatMulWithBias``: ``(x + 128) . W - 128 . sum(W) =
+  x . W``. oneDNN runs it on VNNI or AMX integer units. Without VNNI, oneDNN
+  multiplies 8-bit pairs into saturating 16-bit sums (``vpmaddubsw``), which
+  changes the result, so it is chosen only on CPUs with AVX512-VNNI, AVX-VNNI
+  or AMX-INT8. The op has no GPU or XLA kernel and needs oneDNN, which the
+  report says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+import platform
+from typing import Optional
+
+from tfpolicy.core import tf_internals
+
+INT8_FORMS = ("integer", "float", "onednn")
+EXACT_INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+"""CPU flags under which oneDNN's u8 x s8 dot accumulates into int32 without a saturating 16-bit step."""
+FLOAT_EXACT_CONTRACTION = (2**24) // (127 * 127)
+"""The most int8 x int8 products (|v| <= 127) a float32 sum holds exactly: 1040."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What the lowering depends on in the machine the rewrite runs on."""
+
+    x86: bool
+    onednn: bool
+    flags: frozenset[str]
+    isa_limit: str = ""  # ONEDNN_MAX_CPU_ISA, which caps the instructions oneDNN uses
+
+    @property
+    def exact_int8_dot(self) -> tuple[str, ...]:
+        """The CPU flags that give oneDNN an exact int8 dot (empty: it may saturate)."""
+        if self.isa_limit and not _isa_has_int8_dot(self.isa_limit):
+            return ()
+        return tuple(f for f in EXACT_INT8_DOT_FLAGS if f in self.flags)
+
+
+def _isa_has_int8_dot(isa: str) -> bool:
+    """Whether oneDNN capped at ``isa`` (ONEDNN_MAX_CPU_ISA) keeps a 32-bit int8 dot (VNNI, AMX)."""
+    isa = isa.upper()
+    return isa == "ALL" or any(word in isa for word in ("VNNI", "AMX", "BF16", "FP16", "AVX10"))
+
+
+@functools.lru_cache(maxsize=1)
+def this_machine() -> Machine:
+    """This machine: its architecture, whether oneDNN is on, its CPU flags (Linux's ``/proc/cpuinfo``)."""
+    flags: frozenset[str] = frozenset()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = frozenset(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+    isa_limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    return Machine(x86=x86, onednn=tf_internals.onednn_enabled(), flags=flags, isa_limit=isa_limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """The forms the rewrite emits, and what the output then needs to run."""
+
+    target: Optional[str]
+    int8_matmul: str  # one of INT8_FORMS
+    xla_compile: bool  # mark signatures that hold quantized sites for XLA compilation
+    note: str  # what was chosen and why, one sentence for the report and the CLI
+
+    def __post_init__(self) -> None:
+        if self.int8_matmul not in INT8_FORMS:
+            raise ValueError(f"unknown int8 matmul form {self.int8_matmul!r}; expected one of {INT8_FORMS}")
+
+    @property
+    def cpu_only(self) -> bool:
+        """The output runs only on x86 CPUs with oneDNN on, and does not compile under XLA."""
+        return self.int8_matmul == "onednn"
+
+    @property
+    def int8_form(self) -> str:
+        """How an integer int8 matmul runs, for reports."""
+        return {
+            "integer": "int8 x int8 -> int32 (XLA s8 GEMM)",
+            "float": "int8 values multiplied exactly in float32",
+            "onednn": "oneDNN u8 x s8 -> int32 kernel",
+        }[self.int8_matmul]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"int8_form": self.int8_form}
+
+
+def choose(target: Optional[str], machine: Optional[Machine] = None) -> Lowering:
+    """The lowering for ``target`` ("cpu", "gpu", "tpu" or None) on ``machine`` (default: this one)."""
+    if target in ("gpu", "tpu"):
+        return Lowering(target, "integer", True,
+                        f"--target {target}: signatures with quantized layers are marked for XLA compilation, which"
+                        " TF Serving honours: int8 matmuls, kept as Keras writes them (int8 x int8 -> int32), become"
+                        " s8 GEMMs and float8 quantize-dequantize pairs FP8 GEMMs where the device has them")
+    if target != "cpu":
+        return Lowering(target, "float", False,
+                        "no --target: int8 matmuls multiply their int8 values exactly in float32, which runs on"
+                        " every CPU and GPU and under XLA (--target cpu, gpu or tpu picks a faster form)")
+    machine = machine or this_machine()
+    if not machine.x86:
+        why = "this is not an x86 CPU, where oneDNN's quantized matmul runs"
+    elif not machine.onednn:
+        why = "oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0), and its quantized matmul needs it"
+    elif not machine.exact_int8_dot:
+        limit = f"ONEDNN_MAX_CPU_ISA={machine.isa_limit} keeps oneDNN off" if machine.isa_limit else "this CPU has no"
+        why = (f"{limit} AVX512-VNNI, AVX-VNNI or AMX-INT8, without which oneDNN's 8-bit multiply-adds"
+               " saturate at 16 bits and change the result")
+    else:
+        return Lowering(target, "onednn", False,
+                        f"--target cpu: int8 matmuls run on oneDNN's u8 x s8 kernel (exact on this CPU's"
+                        f" {', '.join(machine.exact_int8_dot)}); the output runs only on x86 CPUs with oneDNN on"
+                        " (TensorFlow's default there), computes Keras's numbers only on CPUs with AVX512-VNNI,"
+                        " AVX-VNNI or AMX-INT8, and its int8 signatures do not compile under XLA")
+    return Lowering(target, "float", False,
+                    f"--target cpu: int8 matmuls multiply their int8 values exactly in float32, because {why}")
