@@ -53,7 +53,7 @@ def _plan(policy: str, mode: str, block_size=None) -> Plan:
     return Plan({"dense": row, None: LayerPlan(None, None, "float32", "float32", "float32", None, None, False, 0, 0)}, ())
 
 
-INTEGER = Lowering("gpu", "integer", True, "Keras's int8 x int8 -> int32")
+INTEGER = Lowering("gpu", "integer", True, "Keras's int8 x int8 -> int32", float8_rounding="cast")
 
 
 def _rewrite(mode: str, policy: str, block_size=None, lowering: Lowering = INTEGER):
@@ -158,6 +158,15 @@ def test_float8_site_and_its_calibration_update():
     assert sorted(placeholders) == sorted(f"tfpolicy/dense/{k}" for k in ("inputs_scale", "kernel_scale", "inputs_amax_history"))
 
 
+def test_float8_site_rounds_in_float32_bits_off_the_gpu():
+    """Without --target gpu/tpu the float8 round trip is float32 arithmetic: no float8 Cast for the CPU to run."""
+    graph, _, _, quantize = _rewrite("float8", "float8_from_float32", lowering=Lowering(None, "float", False, "-"))
+    assert quantize.run().modified and graph.verify() == []
+    float8 = tf.dtypes.experimental.float8_e4m3fn.as_datatype_enum
+    assert not [n for n in graph.nodes.values() if n.op == "Cast" and float8 in (n.attrs["SrcT"].type, n.attrs["DstT"].type)]
+    assert sum(n.op == "BitwiseOr" for n in graph.nodes.values()) == 2  # one rounding per operand
+
+
 def test_a_kernel_of_another_layer_is_declined_with_the_reason():
     graph = _graph()
     index = _index(graph)
@@ -165,3 +174,42 @@ def test_a_kernel_of_another_layer_is_declined_with_the_reason():
     declined = quant_sites._match("sig", graph, graph.nodes["dense/MatMul"], "dense", "int8", index)
     assert isinstance(declined, quant_sites.Declined)
     assert declined.reason == "its kernel 'other/kernel' belongs to layer 'other'"
+
+
+def test_float8_rounding_in_bits_equals_tensorflows_float8_cast():
+    """The CPU form of float8 quantize-dequantize rounds exactly as Cast(Cast(x, float8_e4m3fn), float32).
+
+    Every bfloat16 value within +-448 (what mixed_bfloat16 layers feed it), and
+    float32 values at and beside each midpoint between float8 neighbours (ties go to even).
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    graph = Graph("g")
+    graph.add_node("Placeholder", "x", [], {"dtype": type_attr(DT_FLOAT)})
+    qpass = QuantizePass("sig", graph, LayerIndex(), quant_sites.QuantPlan((), (), {}, {}, ()), {},
+                         lowering=Lowering(None, "float", False, "-"))
+    out = qpass._round_to_float8(TensorRef("x"), "rounded")
+    assert graph.verify() == []
+    graph_def = graph_pb2.GraphDef()
+    for node in graph.nodes.values():
+        node_def = graph_def.node.add(name=node.name, op=node.op, input=node.inputs)
+        for key, value in node.attrs.items():
+            node_def.attr[key].CopyFrom(value)
+
+    bf16 = np.arange(2**16, dtype=np.uint32).astype(np.uint32) << 16
+    values = bf16.view(np.float32)
+    values = values[np.isfinite(values) & (np.abs(values) <= 448)]
+    f8 = np.unique(tf.cast(tf.constant(values), tf.dtypes.experimental.float8_e4m3fn).numpy().astype(np.float32))
+    mids = (f8[1:] + f8[:-1]) / 2
+    edges = np.concatenate([mids, np.nextafter(mids, np.inf, dtype=np.float32), np.nextafter(mids, -np.inf, dtype=np.float32)])
+    x = np.concatenate([values, edges[np.abs(edges) <= 448], [np.nan, -0.0]]).astype(np.float32)
+
+    def run(feed):
+        tf.graph_util.import_graph_def(graph_def, name="")
+        return tf.compat.v1.get_default_graph().get_tensor_by_name(f"{out.node}:0")
+
+    with tf.Graph().as_default() as g, tf.compat.v1.Session(graph=g) as session:
+        result = session.run(run(None), {"x:0": x})
+    expected = tf.cast(tf.cast(tf.constant(x), tf.dtypes.experimental.float8_e4m3fn), tf.float32).numpy()
+    np.testing.assert_array_equal(result.view(np.uint32)[:-2], expected.view(np.uint32)[:-2])
+    assert np.isnan(result[-2]) and np.signbit(result[-1]) and result[-1] == 0

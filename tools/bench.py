@@ -5,7 +5,7 @@
                           [--routes default,alone] [--calibration 8] [--no_peer]
                           [--width 768] [--heads 12] [--seq 128] [--ffn 3072]
                           [--workdir DIR] [--json OUT] [--markdown] [--repeat N] [--profile DEPTH]
-                          [--serving float32,int8_from_float32,...]
+                          [--serving [POLICIES] [--serving_batches 1,8,32] [--serving_targets default,cpu]]
 
 For each depth in ``--depths`` (plus ``--depth``) it builds, once and in its own
 subprocess, a float32 Keras 3 Functional transformer encoder and exports it
@@ -43,11 +43,11 @@ alternating, and keeps the fastest wall time (and the largest peak RSS).
 Exports are kept in ``--workdir`` (keyed by the model's shape) and reused on
 later runs with the same workdir; outputs are deleted after each measurement.
 
-``--serving POLICIES`` measures what the outputs cost to serve instead: for
-each policy (``float32`` is the input itself), the output's size and its
-best-of-5 latency on one batch under ``jit_compile=True``, all in one process,
-and the dot and convolution ops of its XLA HLO, counting those on ``s8``
-(int8) operands.
+``--serving [POLICIES]`` measures what the outputs cost to serve instead: each
+policy's output (with no ``--target`` and with ``--target cpu``), Keras's own
+export of the policy, grappler's bfloat16 AMP and TF's static int8, in graph
+mode and under XLA at batch 1, 8 and 32, each in a fresh process, beside the
+float32 input; see ``tools/serving_bench.py``.
 
 ``--profile DEPTH`` also runs ``tfpolicy.rewrite`` under cProfile at that depth
 in a subprocess and prints the top functions by cumulative time.
@@ -67,6 +67,9 @@ import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import serving_bench  # noqa: E402  (tools/serving_bench.py: --serving)
 
 RESULT_MARKER = "BENCH_RESULT "
 DEFAULT_POLICY = "mixed_bfloat16"
@@ -197,52 +200,6 @@ def child_profile(args) -> dict:
             "tottime": tot_text.getvalue()}
 
 
-def child_serving(args) -> dict:
-    """Each policy's output: its size, its XLA latency on one batch, and its HLO's dots by operand type."""
-    import re
-
-    import numpy as np
-    import tensorflow as tf
-
-    import tfpolicy
-    import tfpolicy.api
-
-    rng = np.random.default_rng(0)
-    rows = []
-    for policy in args.policies.split(","):
-        out = pathlib.Path(args.out) / policy
-        shutil.rmtree(out, ignore_errors=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if policy == "float32":
-            directory = pathlib.Path(args.input)
-        else:
-            tfpolicy.rewrite(args.input, out, {"default_policy": policy}, serving_checks=False)
-            directory = out
-        loaded = tf.saved_model.load(str(directory))
-        function = loaded.signatures["serving_default"]
-        (name, spec), = function.structured_input_signature[1].items()
-        shape = [args.batch if d is None else d for d in spec.shape]
-        x = tf.constant(rng.standard_normal(shape).astype(np.float32))
-        compiled = tf.function(lambda t: function(**{name: t}), jit_compile=True)
-        hlo = compiled.experimental_get_compiler_ir(x)(stage="hlo")
-        dots = [line for line in hlo.splitlines() if re.search(r" (dot|convolution)\(", line)]
-        compiled(x)  # compile once
-        times = []
-        for _ in range(args.runs):
-            t0 = time.perf_counter()
-            next(iter(compiled(x).values())).numpy()
-            times.append(time.perf_counter() - t0)
-        rows.append({
-            "policy": policy, "output_bytes": _directory_bytes(directory),
-            "variables_bytes": _directory_bytes(directory / "variables"),
-            "xla_seconds": min(times), "all_xla_seconds": times,
-            "dots": len(dots), "s8_dots": sum(1 for line in dots if "s8[" in line.split("=", 1)[1]),
-        })
-        del loaded, function, compiled
-        shutil.rmtree(out, ignore_errors=True)
-    return {"rows": rows}
-
-
 def _encoder_batch(function, batch: int):
     import numpy as np
 
@@ -301,8 +258,8 @@ def child_peer(args) -> dict:
             "rss_after_import_mb": rss_after_import, "output_bytes": _directory_bytes(pathlib.Path(args.out))}
 
 
-CHILDREN = {"export": child_export, "calibrate": child_calibrate, "peer": child_peer, "floor": child_floor, "tfpolicy": child_tfpolicy, "profile": child_profile,
-            "serving": child_serving}
+CHILDREN = {"export": child_export, "calibrate": child_calibrate, "peer": child_peer, "floor": child_floor,
+            "tfpolicy": child_tfpolicy, "profile": child_profile, **serving_bench.CHILDREN}
 
 
 def child_main(argv: list[str]) -> int:
@@ -318,8 +275,9 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--serving_checks", type=int, default=1)
     parser.add_argument("--policies", default="")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--batches", type=int, default=8)
+    serving_bench.add_child_arguments(parser)
     args = parser.parse_args(argv)
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -475,10 +433,19 @@ def main(argv: list[str] | None = None) -> int:
                              " on --large: at depth 12 it peaks at 7x the model's size)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure each case N times, alternating, and keep the fastest (default 1)")
-    parser.add_argument("--serving", default=None, metavar="POLICIES",
-                        help="instead of timing the rewrite, serve the depth --depth output of each comma-separated"
-                             " policy (float32 = the input) under jit_compile=True: size, best-of-5 latency on one"
-                             " batch of 8, and the dots of its XLA HLO (s8 = integer)")
+    parser.add_argument("--serving", default=None, metavar="POLICIES", nargs="?", const="default",
+                        help="instead of timing the rewrite, time serving the depth --depth outputs of these"
+                             " comma-separated policies (default: " + ",".join(serving_bench.DEFAULT_POLICIES) + ")"
+                             " beside the float32 input and the peers, in graph mode and under XLA; see"
+                             " tools/serving_bench.py")
+    parser.add_argument("--serving_batches", default="1,8,32", help="with --serving: batch sizes (default 1,8,32)")
+    parser.add_argument("--serving_targets", default="default,cpu",
+                        help="with --serving: --target values to write each policy with (default: none, and cpu)")
+    parser.add_argument("--serving_peers", default="keras,amp,tfquant",
+                        help="with --serving: keras (Keras's own export), amp (grappler's bfloat16 AMP), tfquant (TF"
+                             " quantize_saved_model static int8); comma-separated, empty for none")
+    parser.add_argument("--serving_runs", type=int, default=6, help="with --serving: timed calls after 3 warm-ups")
+    parser.add_argument("--no_xla", action="store_true", help="with --serving: graph mode only")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -578,16 +545,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serving(args, workdir: pathlib.Path, shape: dict, started: float) -> int:
     export, params = ensure_export(workdir, args.depth, shape)
-    _progress(f"depth {args.depth}: serving {args.serving} under XLA ...")
-    result = run_child("serving", input=export, out=workdir / "out" / "serving", policies=args.serving)
-    lines = [("policy", "output MB", "variables MB", "XLA ms (batch 8)", "dots", "s8 dots")]
-    for r in result["rows"]:
-        lines.append((r["policy"], f"{r['output_bytes'] / 1e6:.0f}", f"{r['variables_bytes'] / 1e6:.0f}",
-                      f"{r['xla_seconds'] * 1e3:.0f}", str(r["dots"]), str(r["s8_dots"])))
-    print(f"\ndepth {args.depth} ({params:,} params), {os.cpu_count()} CPUs:\n" + render(lines, args.markdown))
+    result = serving_bench.run(args, workdir, export, params, shape, run_child, _progress, render)
     if args.json:
-        args.json.write_text(json.dumps({"shape": shape, "depth": args.depth, "params": params, "cpus": os.cpu_count(),
-                                         "total_seconds": time.perf_counter() - started, **result}, indent=2) + "\n")
+        serving_bench.json_dump(args.json, dict(result, total_seconds=time.perf_counter() - started))
     return 0
 
 

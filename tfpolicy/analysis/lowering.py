@@ -98,6 +98,9 @@ class Lowering:
     int8_matmul: str  # one of INT8_FORMS
     xla_compile: bool  # mark signatures that hold quantized sites for XLA compilation
     note: str  # what was chosen and why, one sentence for the report and the CLI
+    # float8 quantize-dequantize: "cast" (Keras's Casts to float8 and back: the pattern XLA's FP8 GEMM
+    # rewriter matches) or "bits" (the same rounding in float32 bit arithmetic, without the slow CPU Cast)
+    float8_rounding: str = "bits"
 
     def __post_init__(self) -> None:
         if self.int8_matmul not in INT8_FORMS:
@@ -124,7 +127,7 @@ class Lowering:
 def choose(target: Optional[str], machine: Optional[Machine] = None) -> Lowering:
     """The lowering for ``target`` ("cpu", "gpu", "tpu" or None) on ``machine`` (default: this one)."""
     if target in ("gpu", "tpu"):
-        return Lowering(target, "integer", True,
+        return Lowering(target, "integer", True, float8_rounding="cast", note=
                         f"--target {target}: signatures with quantized layers are marked for XLA compilation, which"
                         " TF Serving honours: int8 matmuls, kept as Keras writes them (int8 x int8 -> int32), become"
                         " s8 GEMMs and float8 quantize-dequantize pairs FP8 GEMMs where the device has them")

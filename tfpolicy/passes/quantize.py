@@ -28,9 +28,13 @@ quantize-dequantized input::
 int8 embedding lookups gather int8 rows and their scales, then divide.
 
 float8, on both operands of the op (``s`` a divisor, a scalar variable), the
-pattern XLA's FP8 GEMM rewriter matches::
+pattern XLA's FP8 GEMM rewriter matches (``--target gpu``/``tpu``)::
 
     x -> MatMul    becomes    x -> RealDiv(s) -> ClipByValue(+-448) -> Cast(f8e4m3fn) -> Cast -> Mul(s) -> MatMul
+
+and elsewhere the same rounding to float8 in float32 bit arithmetic
+(:meth:`QuantizePass._round_to_float8`), which gives the same values and is
+faster than TensorFlow's CPU float8 Cast.
 
 New variables enter each signature graph as resource placeholders named
 ``tfpolicy/<variable name>``; saving maps them to the new ``tf.Variable``s.
@@ -423,5 +427,37 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         clipped = self.op("ClipByValue", f"{base}/clip", [
             divided, self.const(f"{base}/min", -FLOAT8_E4M3_MAX, dtype),
             self.const(f"{base}/max", FLOAT8_E4M3_MAX, dtype)], T=T)
-        back = self.cast(self.cast(clipped, FLOAT8, f"{base}/to_float8"), dtype, f"{base}/from_float8")
+        if self.lowering.float8_rounding == "cast":
+            back = self.cast(self.cast(clipped, FLOAT8, f"{base}/to_float8"), dtype, f"{base}/from_float8")
+        else:
+            back = self.cast(self._round_to_float8(self.cast(clipped, DT_FLOAT, f"{base}/to_float32"), f"{base}/round"),
+                             dtype, f"{base}/from_float32")
         return self.op("Mul", f"{base}/dequantize", [back, scale], T=T)
+
+    def _round_to_float8(self, x: TensorRef, base: str) -> TensorRef:
+        """float32 ``x`` (|x| <= 448) rounded to float8 e4m3fn's nearest value, ties to even, still float32.
+
+        What ``Cast(Cast(x, float8_e4m3fn), float32)`` computes, without
+        TensorFlow's CPU float8 Cast (an element at a time). float8's step at
+        ``x`` is ``2**(e - 3)`` for ``x``'s exponent ``e`` (3 mantissa bits),
+        ``2**-9`` below ``2**-6`` (subnormals). Adding ``c = 1.5 * 2**(e + 20)``
+        lands in a float32 binade whose step is exactly that, so float32's own
+        round-to-nearest-even rounds ``x``, and subtracting ``c`` is exact::
+
+            e = max(bits(x) & exponent, bits(2**-6));  c = as_float(e) * 1.5 * 2**20;  (x + c) - c, with x's sign
+        """
+        f32, i32 = _type(DT_FLOAT), _type(INT32)
+        bits = self.op("Bitcast", f"{base}/bits", [x], T=f32, type=i32)
+        exponent = self.op("BitwiseAnd", f"{base}/exponent", [bits, self.const(f"{base}/exponent_mask", 0x7F800000, INT32)],
+                           T=i32)
+        floor = self.op("Maximum", f"{base}/at_least_normal", [
+            exponent, self.const(f"{base}/smallest_normal", np.float32(2.0**-6).view(np.int32), INT32)], T=i32)
+        magic = self.op("Mul", f"{base}/magic", [self.op("Bitcast", f"{base}/power", [floor], T=i32, type=f32),
+                                                 self.const(f"{base}/shift", 1.5 * 2.0**20, DT_FLOAT)], T=f32)
+        rounded = self.op("Sub", f"{base}/rounded", [self.op("AddV2", f"{base}/rounded_up", [x, magic], T=f32), magic],
+                          T=f32)
+        # x - x is +0: a negative x that rounds to zero keeps its sign (-0.0), as the Cast gives it.
+        sign = self.op("BitwiseAnd", f"{base}/sign", [bits, self.const(f"{base}/sign_mask", -(2**31), INT32)], T=i32)
+        signed = self.op("BitwiseOr", f"{base}/signed", [self.op("Bitcast", f"{base}/rounded_bits", [rounded], T=f32, type=i32),
+                                                         sign], T=i32)
+        return self.op("Bitcast", base, [signed], T=i32, type=f32)
