@@ -1,6 +1,6 @@
 """Real architectures through tfpolicy, measured against Keras applying the same map.
 
-    python tools/realmodels.py [--models bert,llama,...] [--maps bf16,int8,...]
+    python tools/realmodels.py [--models bert,llama,...] [--maps bf16,int8,...] [--target gpu]
                                [--workdir DIR] [--json OUT] [--markdown]
 
 For every (model, map) it exports the float32 model once (``model.export``,
@@ -30,6 +30,11 @@ no int8 convolution), and ``int8conv``, the same map with
 ``float8_from_mixed_bfloat16`` (history 16) on the Dense/EinsumDense layers,
 calibrated; and a per-layer mix of exact and regex keys over the model's real
 layer paths.
+
+``--target`` rewrites with that serving target. With ``gpu`` the serving
+checks include the device-kernel check, and each row adds what XLA receives
+for ``serving_default`` (the output's HLO): its dots on ``s8`` operands and its
+converts to ``f8e4m3fn``, the int8 and float8 GEMM patterns.
 
 The module is also the tests' real-model zoo (``tests/test_real_models.py``).
 """
@@ -380,6 +385,7 @@ class Row:
     rewrite_s: Optional[float] = None
     floor_s: Optional[float] = None
     keras_keeps_convolutions: bool = False  # int8conv: convolutions quantized, which Keras cannot
+    hlo: str = ""  # --target gpu: "s8 dots / all dots, float8 converts" of serving_default's HLO
 
     @property
     def ratio(self) -> Optional[float]:
@@ -401,7 +407,25 @@ def float8_scales(output_dir: pathlib.Path) -> dict[str, float]:
     return found
 
 
-def measure(model: RealModel, which: str, workdir: pathlib.Path, floor_s: Optional[float] = None) -> Row:
+def hlo_patterns(directory: pathlib.Path, inputs: dict[str, np.ndarray]) -> str:
+    """``"s8 dots/dots, float8 converts"`` of ``serving_default``'s HLO under ``jit_compile=True``."""
+    import re  # noqa: PLC0415
+
+    import tensorflow as tf  # noqa: PLC0415
+
+    loaded = tf.saved_model.load(str(directory))
+    function = loaded.signatures["serving_default"]
+    compiled = tf.function(lambda **kw: function(**kw), jit_compile=True)
+    feeds = {k: tf.constant(v) for k, v in inputs.items()}
+    hlo = compiled.experimental_get_compiler_ir(**feeds)(stage="hlo")
+    dots = [line for line in hlo.splitlines() if re.search(r" (dot|convolution)\(", line)]
+    s8 = sum(1 for line in dots if re.search(r"\(s8\[[^)]*s8\[", line))
+    f8 = sum(1 for line in hlo.splitlines() if re.search(r"= f8e4m3fn\[[^ ]* convert\(", line))
+    return f"{s8}/{len(dots)} s8, {f8} f8"
+
+
+def measure(model: RealModel, which: str, workdir: pathlib.Path, floor_s: Optional[float] = None,
+            target: Optional[str] = None) -> Row:
     import tfpolicy  # noqa: PLC0415
 
     plain = policy_map(model, which)
@@ -410,7 +434,8 @@ def measure(model: RealModel, which: str, workdir: pathlib.Path, floor_s: Option
     try:
         tfpolicy.rewrite(
             model.saved_model_dir, out, plain, overwrite=True,
-            calibration_data=model.calibration if which == "float8" else None, **REWRITE_OPTIONS.get(which, {}),
+            calibration_data=model.calibration if which == "float8" else None, target=target,
+            **REWRITE_OPTIONS.get(which, {}),
         )
     except tfpolicy.TfPolicyError as exc:
         return Row(model.name, which, f"error: {exc}")
@@ -424,6 +449,8 @@ def measure(model: RealModel, which: str, workdir: pathlib.Path, floor_s: Option
     if model.rebuild is not None:
         scales = float8_scales(out) if which == "float8" else None
         row.e_keras = relative_error(keras_native(model, plain, scales), y_ref)
+    if target == "gpu":
+        row.hlo = hlo_patterns(out, model.inputs)
     shutil.rmtree(out, ignore_errors=True)
     return row
 
@@ -440,13 +467,14 @@ def load_and_save_seconds(model: RealModel, workdir: pathlib.Path) -> float:
 
 
 def _format(rows: list[Row], markdown: bool) -> str:
-    header = ("model", "map", "ok", "e_tool", "e_keras", "ratio", "rewrite s", "floor s")
+    header = ("model", "map", "ok", "e_tool", "e_keras", "ratio", "rewrite s", "floor s") + (
+        ("XLA HLO",) if any(r.hlo for r in rows) else ())
     lines = []
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     body = [
         (r.model, r.map, r.ok, fmt(r.e_tool, ".2e"), fmt(r.e_keras, ".2e"),
          "(conv)" if r.keras_keeps_convolutions else fmt(r.ratio, ".2f"),
-         fmt(r.rewrite_s, ".1f"), fmt(r.floor_s, ".1f"))
+         fmt(r.rewrite_s, ".1f"), fmt(r.floor_s, ".1f")) + ((r.hlo,) if any(x.hlo for x in rows) else ())
         for r in rows
     ]
     if markdown:
@@ -467,6 +495,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--workdir", default=None, help="where exports go (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
+    parser.add_argument("--target", default=None, choices=["cpu", "gpu", "tpu"], help="rewrite for this serving target")
     args = parser.parse_args(argv)
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="tfpolicy-realmodels-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -476,7 +505,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         model = build(name, workdir / name)
         floor = load_and_save_seconds(model, workdir)
         for which in (m for m in args.maps.split(",") if applies(model, m)):
-            rows.append(measure(model, which, workdir, floor))
+            rows.append(measure(model, which, workdir, floor, args.target))
             print(_format(rows[-1:], False), file=sys.stderr, flush=True)
     print(_format(rows, args.markdown))
     if args.json:
