@@ -231,8 +231,36 @@ def test_amax_history_length_follows_the_policy(zoo, tmp_path, length):
     expected = 1024 if length is None else length
     assert ours["dense/inputs_amax_history"].shape == (expected,)
     assert ours["dense/kernel_amax_history"].shape == (expected,)
+    # Off the GPU the kernel is stored quantize-dequantized, in the layer's compute dtype (bfloat16 here).
     assert sorted(ours) == [f"dense/{k}" for k in
-                            ("inputs_amax_history", "inputs_scale", "kernel_amax_history", "kernel_scale")]
+                            ("inputs_amax_history", "inputs_scale", "kernel", "kernel_amax_history", "kernel_scale")]
+    assert ours["dense/kernel"].dtype == tf.bfloat16.as_numpy_dtype
+
+
+def test_float8_kernel_is_stored_quantize_dequantized_off_the_gpu(zoo, tmp_path):
+    """The kernel operand every call computed (a constant in serving) is the stored value: no kernel rounding
+    in the graph, half the bytes, the same outputs as Keras's layer, which computes it at every call."""
+    model = zoo.get("keras3_mlp")
+    policy_map = {"policy_map": {"dense": FLOAT8}}
+    tfpolicy.rewrite(model.saved_model_dir, tmp_path / "stored", policy_map)
+    tfpolicy.rewrite(model.saved_model_dir, tmp_path / "gpu", policy_map, target="gpu")
+    assert "dense/kernel" not in _variables(tmp_path / "gpu")  # under XLA the kernel's rounding stays in the graph
+    kernel = _variables(tmp_path / "stored")["dense/kernel"].astype(np.float32)
+    scale = _variables(tmp_path / "stored")["dense/kernel_scale"]
+    original = tf.saved_model.load(str(model.saved_model_dir))
+    w = {v.name[:-2]: v.numpy() for v in original.variables}["dense/kernel"]
+    w8 = tf.cast(tf.clip_by_value(tf.cast(w, tf.bfloat16) / tf.cast(scale, tf.bfloat16), -448, 448),
+                 tf.dtypes.experimental.float8_e4m3fn)
+    np.testing.assert_array_equal(kernel, (tf.cast(w8, tf.bfloat16) * tf.cast(scale, tf.bfloat16)).numpy().astype(np.float32))
+    graph = tf.saved_model.load(str(tmp_path / "stored")).signatures["serving_default"].graph.as_graph_def()
+    names = [n.name for f in graph.library.function for n in f.node_def] + [n.name for n in graph.node]
+    assert not [n for n in names if "kernel_float8" in n] and [n for n in names if "inputs_float8" in n]
+    inputs = model.sample_inputs["serving_default"]
+    (y_stored,) = run_signature(tmp_path / "stored", "serving_default", inputs).values()
+    keras_model = _keras_quantized(model, policy_map)
+    keras_model.get_layer("dense").kernel_scale.assign(scale)  # Keras's starts at 1; the rewrite's is the weights'
+    y_keras = tf.function(keras_model)(tf.constant(inputs["features"]))
+    np.testing.assert_array_equal(y_stored, np.asarray(y_keras, np.float32))
 
 
 def test_recalibration_survives_save_and_reload(zoo, outputs, tmp_path):

@@ -107,6 +107,15 @@ class Lowering:
             raise ValueError(f"unknown int8 matmul form {self.int8_matmul!r}; expected one of {INT8_FORMS}")
 
     @property
+    def stores_float8_kernels(self) -> bool:
+        """A float8 kernel's quantize-dequantize (a constant in serving) is stored, not computed at every call.
+
+        Under XLA (``gpu``, ``tpu``) it stays in the graph: it is half of the
+        pattern XLA turns into an FP8 GEMM.
+        """
+        return self.float8_rounding == "bits"
+
+    @property
     def cpu_only(self) -> bool:
         """The output runs only on x86 CPUs with oneDNN on, and does not compile under XLA."""
         return self.int8_matmul == "onednn"

@@ -151,6 +151,10 @@ class Float8Group:
     kernel_uid: int
     prefix: str  # "<layer path>" or "<layer path>/<kernel leaf>" when a layer has several
     history_length: int
+    kernel_name: str = ""
+    # The compute dtype the kernel is read in when only this group's sites read it (through casts and
+    # layout ops): its quantize-dequantize can then be stored instead of computed at every call.
+    storable_dtype: Optional[int] = None
 
     def name(self, kind: str) -> str:
         return f"{self.prefix}/{kind}"

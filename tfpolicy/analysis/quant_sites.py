@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -58,7 +58,7 @@ from tfpolicy.analysis.quant_rules import (
 from tfpolicy.core import tf_names
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.savedmodel_io import LoadedModel
-from tfpolicy.core.tf_names import DT_FLOAT, FLOAT_DTYPES
+from tfpolicy.core.tf_names import DT_FLOAT, FLOAT_DTYPES, TensorRef
 
 __all__ = [  # the records, for the passes and the report
     "Declined", "Float8Group", "Int4Kernel", "Int8Kernel", "IntegerMatmul", "QuantPlan", "SUPPORTED_MODES", "Site",
@@ -98,7 +98,7 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan, int8_convolutions
     declined.extend(more_declined)
     int8 = _int8_kernels(sites, index)
     int4 = _int4_kernels(sites, index, plan)
-    groups = _float8_groups(sites, index, plan)
+    groups = _float8_groups(sites, index, plan, _storable_float8_kernels(model, index, sites))
     with_sites = {s.layer for s in sites} | {d.layer for d in declined}
     quantized_layers = sorted(
         (p.path, p.quantization_mode) for p in plan.layers.values()
@@ -337,7 +337,51 @@ def _int4_kernels(sites: list[Site], index: LayerIndex, plan: Plan) -> dict[int,
     return kernels
 
 
-def _float8_groups(sites: list[Site], index: LayerIndex, plan: Plan) -> dict[tuple[str, int], Float8Group]:
+READ_THROUGH = frozenset({"Identity", "Cast", "Transpose", "Reshape", "ExpandDims"})
+
+
+def _storable_float8_kernels(model: LoadedModel, index: LayerIndex, sites: list[Site]) -> dict[int, int]:
+    """float8 kernels read only as the kernel operand of their own float8 sites: uid -> compute dtype.
+
+    Every use of the variable must be a ReadVariableOp whose value reaches
+    only such operands, through Identity, Cast and layout ops (which commute
+    with an elementwise quantize-dequantize by a scalar), and all its sites
+    must compute in one dtype.
+    """
+    operands = {(s.signature, s.graph, s.node, s.contraction.kernel_position): s for s in sites if s.mode == "float8"}
+    dtypes: dict[int, set[int]] = {}
+    for site in operands.values():
+        dtypes.setdefault(site.variable_uid, set()).add(site.compute_dtype)
+    bad = {uid for uid, found in dtypes.items() if len(found) > 1}
+    for program in model.signatures.values():
+        for graph in program.all_graphs():
+            for node in graph.nodes.values():
+                for _, ref in node.data_inputs():
+                    uid = index.variable_of(program.key, graph, ref)
+                    if uid not in dtypes or uid in bad or node.op == "Identity":  # the handle passed on (inlining)
+                        continue
+                    if node.op != "ReadVariableOp" or not _reaches_only(program.key, graph, node, uid, operands):
+                        bad.add(uid)
+    return {uid: next(iter(found)) for uid, found in dtypes.items() if uid not in bad}
+
+
+def _reaches_only(signature: str, graph: Graph, read: Node, uid: int, operands: dict) -> bool:
+    """Whether ``read``'s value reaches only float8 kernel operands of variable ``uid``."""
+    stack = [TensorRef(read.name)]
+    while stack:
+        for consumer, position in graph.uses(stack.pop()):
+            site = operands.get((signature, graph.name, consumer, position))
+            if site is not None and site.variable_uid == uid:
+                continue
+            if graph.nodes[consumer].op in READ_THROUGH and position == 0:
+                stack.append(TensorRef(consumer))
+                continue
+            return False
+    return True
+
+
+def _float8_groups(sites: list[Site], index: LayerIndex, plan: Plan,
+                   storable: Optional[dict[int, int]] = None) -> dict[tuple[str, int], Float8Group]:
     keys = sorted({(s.layer, s.variable_uid) for s in sites if s.mode == "float8"},
                   key=lambda k: (k[0], index.variables[k[1]].name))
     per_layer: dict[str, int] = {}
@@ -348,5 +392,6 @@ def _float8_groups(sites: list[Site], index: LayerIndex, plan: Plan) -> dict[tup
         leaf = index.variables[uid].name.rsplit("/", 1)[-1]
         prefix = layer if per_layer[layer] == 1 else f"{layer}/{leaf}"
         length = plan.for_layer(layer).amax_history_length or 1024
-        groups[(layer, uid)] = Float8Group(layer, uid, prefix, int(length))
+        groups[(layer, uid)] = Float8Group(layer, uid, prefix, int(length), index.variables[uid].name,
+                                           (storable or {}).get(uid))
     return groups

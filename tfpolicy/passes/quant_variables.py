@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfpolicy.analysis.lowering import Lowering
 from tfpolicy.analysis.quant_sites import Int4Kernel, QuantPlan
 from tfpolicy.core.assemble import LazyValues, NewVariable
-from tfpolicy.core.tf_names import DT_FLOAT, DT_FLOAT8_E4M3FN, DT_INT8, DT_INT32
+from tfpolicy.core.tf_names import DT_FLOAT, DT_FLOAT8_E4M3FN, DT_INT8, DT_INT32, numpy_dtype
 
 FLOAT8 = DT_FLOAT8_E4M3FN
 INT8 = DT_INT8
@@ -70,7 +70,12 @@ def build_variables(
         if kernel.block_size is not None:
             variables[kernel.zero_name] = NewVariable.part(kernel.zero_name, scale, np.int8, values, 2)
     for group in sorted(qplan.float8_groups.values(), key=lambda g: g.prefix):
-        values = LazyValues(functools.partial(_float8_values, read_value, group))
+        stored = lowering is not None and lowering.stores_float8_kernels and group.storable_dtype is not None
+        values = LazyValues(functools.partial(_float8_values, read_value, group, stored))
+        if stored:  # first, so that its one read of the kernel also makes the statistics below
+            variables[group.kernel_name] = NewVariable.part(
+                group.kernel_name, shape_of(group.kernel_uid), numpy_dtype(group.storable_dtype), values, 2,
+                replaces=group.kernel_uid)
         variables[group.name("inputs_scale")] = NewVariable.of(group.name("inputs_scale"), np.float32(1.0).reshape(()))
         variables[group.name("kernel_scale")] = NewVariable.part(
             group.name("kernel_scale"), (), np.float32, values, 0, derived_from=group.kernel_uid)
@@ -88,8 +93,10 @@ def _int8_values(read_value, kernel) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return q, np.squeeze(scale, axis=kernel.reduced_axes), correction.astype(np.int32)
 
 
-def _float8_values(read_value, group) -> tuple[np.ndarray, np.ndarray]:
-    """``(kernel scale, kernel amax history)`` from the kernel's ``max|W|``.
+def _float8_values(read_value, group, stored: bool = False) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """``(kernel scale, kernel amax history, stored kernel or None)`` from one read of the kernel.
+
+    The scale and history from the kernel's ``max|W|``.
 
     Keras's ``compute_float8_scale(amax, 1, e4m3 max)`` and
     ``compute_float8_amax_history(W, zeros)``, computed in numpy's float32 (the
@@ -97,10 +104,27 @@ def _float8_values(read_value, group) -> tuple[np.ndarray, np.ndarray]:
     values are made on the writer's thread beside the save, where each of
     Keras's small eager ops would wait for the GIL.
     """
-    amax = np.max(np.abs(read_value(group.kernel_uid))).astype(np.float32)
+    kernel = read_value(group.kernel_uid)
+    amax = np.max(np.abs(kernel)).astype(np.float32)
     history = np.zeros((group.history_length,), np.float32)
     history[0] = amax  # the zero history rolled by one, amax scattered into slot 0
-    return float8_scale(amax), history
+    scale = float8_scale(amax)
+    return scale, history, stored_float8_kernel(kernel, scale, group.storable_dtype) if stored else None
+
+
+def stored_float8_kernel(kernel: np.ndarray, scale: np.ndarray, dtype: int) -> np.ndarray:
+    """The kernel operand every call of a float8 layer computes, computed once: Keras's quantize-dequantize.
+
+    ``Mul(Cast(Cast(ClipByValue(Cast(W, dtype) / Cast(scale, dtype), +-448), float8), dtype), Cast(scale, dtype))``
+    in the layer's compute dtype, with TensorFlow's own kernels, so the stored
+    values are the ones the graph computed.
+    """
+    w = tf.cast(tf.constant(kernel), dtype)
+    s = tf.cast(tf.constant(scale, tf.float32), dtype)
+    clipped = tf.raw_ops.ClipByValue(t=tf.raw_ops.RealDiv(x=w, y=s), clip_value_min=tf.constant(-FLOAT8_E4M3_MAX, dtype),
+                                     clip_value_max=tf.constant(FLOAT8_E4M3_MAX, dtype))
+    back = tf.cast(tf.cast(clipped, tf.dtypes.experimental.float8_e4m3fn), dtype)
+    return tf.raw_ops.Mul(x=back, y=s).numpy()
 
 
 def float8_scale(amax: np.float32) -> np.ndarray:

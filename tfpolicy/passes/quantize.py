@@ -52,7 +52,7 @@ from tfpolicy.analysis.layer_index import LayerIndex
 from tfpolicy.analysis.lowering import FLOAT_EXACT_CONTRACTION, Lowering
 from tfpolicy.analysis.lowering import choose as choose_lowering
 from tfpolicy.analysis.quant_records import IntegerMatmul
-from tfpolicy.analysis.quant_sites import Float8Group, Int8Kernel, QuantPlan, Site
+from tfpolicy.analysis.quant_sites import READ_THROUGH, Float8Group, Int8Kernel, QuantPlan, Site
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.tf_names import DT_FLOAT, DT_QINT8, DT_QINT32, DT_QUINT8, DT_UINT8, TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
@@ -134,9 +134,10 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         sites = sorted(self.qplan.sites_in(self.signature, self.graph.name), key=lambda s: s.node)
         self._int8_consumers.update(s.node for s in sites if s.contraction.kind == "gather")
         reads: dict[int, list[Node]] = {}
+        stored = self._stored_float8_kernels()
         for node in list(self.graph.nodes.values()):
             info = self.index.variable_read_by(self.signature, self.graph, node) if node.op == "ReadVariableOp" else None
-            if info is not None and info.uid in self.qplan.integer_kernels:
+            if info is not None and (info.uid in self.qplan.integer_kernels or info.uid in stored):
                 reads.setdefault(info.uid, []).append(node)
         # Integer sites first, so that the float reads of their kernels fall unused.
         for site in sites:
@@ -149,6 +150,8 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         compute = {s.variable_uid: s.compute_dtype for s in sites}
         for kernel in sorted(self.qplan.int4_kernels.values(), key=lambda k: k.name):
             self._store_int4(kernel, reads.get(kernel.uid, []), compute.get(kernel.uid, F32))
+        for uid, group in sorted(stored.items(), key=lambda item: item[1].kernel_name):
+            self._store_float8_kernel(group, reads.get(uid, []))
         self._retype_kernel_arguments()
         for site in sites:
             if site.integer is not None or site.int4_rescaled:
@@ -405,11 +408,49 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
 
     # -- float8 ----------------------------------------------------------------------
 
+    def _stored_float8_kernels(self) -> dict[int, Float8Group]:
+        """The float8 kernels stored quantize-dequantized (see :func:`build_variables`), by uid."""
+        if not self.lowering.stores_float8_kernels:
+            return {}
+        return {g.kernel_uid: g for g in self.qplan.float8_groups.values()
+                if g.storable_dtype is not None and g.kernel_name in self.variables}
+
+    def _store_float8_kernel(self, group: Float8Group, reads: list[Node]) -> None:
+        """Reads of a stored float8 kernel read its quantize-dequantized value, in the compute dtype.
+
+        The variable now holds what every call computed (``Mul(Cast(Cast(clip(W / s))), s)``,
+        elementwise, so it commutes with the layout ops between the read and
+        the op)::
+
+            ReadVariableOp:f32 -> Cast(bf16) -> [Reshape] -> MatMul    becomes    ReadVariableOp:bf16 -> [Reshape] -> MatMul
+        """
+        dtype = group.storable_dtype
+        for read in reads:
+            read.attrs["dtype"] = _type(dtype)
+            stack = [TensorRef(read.name)]
+            while stack:
+                ref = stack.pop()
+                for consumer, position in list(self.graph.uses(ref)):
+                    node = self.graph.nodes.get(consumer)
+                    if node is None or position != 0 or node.op not in READ_THROUGH:
+                        continue
+                    if node.op == "Cast":
+                        node.attrs["SrcT"] = _type(dtype)
+                        if node.attrs["DstT"].type == dtype:  # now Cast(bf16 -> bf16): bypass it
+                            self.graph.replace_all_uses_with(TensorRef(node.name), ref)
+                            self.graph.remove_if_unused(node.name)
+                        continue
+                    node.attrs["T"] = _type(dtype)
+                    stack.append(TensorRef(node.name))
+
     def _float8(self, site: Site) -> None:
         node = self.graph.nodes[site.node]
         group = self.qplan.float8_groups[(site.layer, site.variable_uid)]
         operands = dict(node.data_inputs())
+        stored = site.variable_uid in self._stored_float8_kernels()
         for kind, position in (("inputs", site.contraction.input_position), ("kernel", site.contraction.kernel_position)):
+            if kind == "kernel" and stored:
+                continue  # the variable holds its quantize-dequantized value
             x = operands[position]
             scale_name = group.name(f"{kind}_scale")
             key = ("float8", str(x), scale_name)
