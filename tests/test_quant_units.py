@@ -95,6 +95,7 @@ def test_float8_kernel_statistics_are_kerass_formulas_bit_for_bit(amax):
         kernel_uid, history_length = 0, 16
 
     kernel = np.array([[amax, -amax / 2]], np.float32) if np.isfinite(amax) else np.array([[amax]], np.float32)
-    _, history = quant_variables._float8_values(lambda uid: kernel, Group)  # noqa: SLF001
+    _, history, stored = quant_variables._float8_values(lambda uid: kernel, Group)  # noqa: SLF001
+    assert stored is None  # asked only for the statistics
     keras_history = keras.quantizers.compute_float8_amax_history(kernel, np.zeros((16,), np.float32))
     assert np.asarray(keras_history, np.float32).tobytes() == history.tobytes()
