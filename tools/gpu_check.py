@@ -86,6 +86,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--json", type=pathlib.Path, help="also write the results as JSON")
     parser.add_argument("--dump_hlo", type=pathlib.Path, help="write each variant's optimized HLO here")
     parser.add_argument("--workdir", type=pathlib.Path, help="keep the SavedModels here (default: a temporary dir)")
+    parser.add_argument("--target", default="gpu", choices=["gpu", "none"],
+                        help="the --target the variants are written with (default gpu; none: the portable forms)")
     parser.add_argument("--export_hlo", type=pathlib.Path, metavar="DIR",
                         help="no GPU needed: write each variant's XLA HLO (as TF Serving would compile it) and a"
                              " manifest to DIR, for tools/xla_gpu_run.py on a GPU machine with jax")
@@ -122,8 +124,9 @@ def export_encoder(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.P
     return path
 
 
-def make_variant(name: str, fp32_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[Optional[pathlib.Path], str]:
-    """(SavedModel dir or None, note): the variant written for ``--target gpu``."""
+def make_variant(name: str, fp32_dir: pathlib.Path, workdir: pathlib.Path,
+                 target: Optional[str] = "gpu") -> tuple[Optional[pathlib.Path], str]:
+    """(SavedModel dir or None, note): the variant written for ``target`` (default ``--target gpu``)."""
     import tfpolicy
 
     policy_map = VARIANTS[name]
@@ -132,7 +135,7 @@ def make_variant(name: str, fp32_dir: pathlib.Path, workdir: pathlib.Path) -> tu
     out = workdir / name
     started = time.perf_counter()
     try:
-        tfpolicy.rewrite(fp32_dir, out, policy_map, overwrite=True, serving_checks=False, target="gpu")
+        tfpolicy.rewrite(fp32_dir, out, policy_map, overwrite=True, serving_checks=False, target=target)
     except tfpolicy.TfPolicyError as exc:
         return None, f"skipped: {exc}"
     return out, f"rewritten in {time.perf_counter() - started:.1f}s"
@@ -204,14 +207,15 @@ def export_all(tf: Any, args: argparse.Namespace, workdir: pathlib.Path) -> int:
     fp32_dir = export_encoder(args, workdir)
     shape = {k: getattr(args, k) for k in ("depth", "width", "heads", "seq", "ffn", "batch")}
     modules = {}
+    target = None if args.target == "none" else args.target
     for name in VARIANTS:
-        path, note = make_variant(name, fp32_dir, workdir)
+        path, note = make_variant(name, fp32_dir, workdir, target)
         if path is None:
             print(f"  {name}: {note}", flush=True)
             continue
         modules[name] = export_hlo(tf, path, args, name, args.export_hlo) | {"note": note}
         print(f"  {name}: {len(modules[name]['parameters'])} parameters", flush=True)
-    manifest = {"source": {"tensorflow": tf.__version__, "encoder": shape}, "modules": modules}
+    manifest = {"source": {"tensorflow": tf.__version__, "encoder": shape, "target": args.target}, "modules": modules}
     (args.export_hlo / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     print(f"wrote {len(modules)} HLO modules to {args.export_hlo}; on the GPU machine: python tools/xla_gpu_run.py {args.export_hlo}")
     return 0
@@ -284,7 +288,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         fp32_dir = export_encoder(args, workdir)
         rows: dict[str, dict] = {}
         for name in VARIANTS:
-            path, note = make_variant(name, fp32_dir, workdir)
+            path, note = make_variant(name, fp32_dir, workdir, None if args.target == "none" else args.target)
             rows[name] = {"note": note}
             if path is None:
                 continue
