@@ -20,6 +20,7 @@ from tfpolicy.analysis.plan import LayerPlan, Plan
 from tfpolicy.core.graph import Graph
 from tfpolicy.core.tf_names import DT_FLOAT, DT_INT8, DT_INT32, DT_RESOURCE, TensorRef, bool_attr, type_attr
 from tfpolicy.passes.calibration import CalibrationPass
+from tfpolicy.passes.float8_rounding import clip_and_round_to_float8
 from tfpolicy.passes.quantize import QuantizePass, build_variables
 
 KERNEL = np.arange(12, dtype=np.float32).reshape(4, 3) / 10.0 - 0.5
@@ -189,7 +190,7 @@ def test_float8_rounding_in_bits_equals_tensorflows_float8_cast():
     graph.add_node("Placeholder", "x", [], {"dtype": type_attr(DT_FLOAT)})
     qpass = QuantizePass("sig", graph, LayerIndex(), quant_sites.QuantPlan((), (), {}, {}, ()), {},
                          lowering=Lowering(None, "float", False, "-"))
-    out = qpass._clip_and_round_to_float8(TensorRef("x"), "rounded")
+    out = clip_and_round_to_float8(qpass, TensorRef("x"), "rounded")
     assert graph.verify() == []
     graph_def = graph_pb2.GraphDef()
     for node in graph.nodes.values():

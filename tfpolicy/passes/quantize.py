@@ -33,7 +33,7 @@ pattern XLA's FP8 GEMM rewriter matches (``--target gpu``/``tpu``)::
     x -> MatMul    becomes    x -> RealDiv(s) -> ClipByValue(+-448) -> Cast(f8e4m3fn) -> Cast -> Mul(s) -> MatMul
 
 and elsewhere the same rounding to float8 in float32 bit arithmetic
-(:meth:`QuantizePass._clip_and_round_to_float8`), which gives the same values and is
+(:func:`tfpolicy.passes.float8_rounding.clip_and_round_to_float8`), which gives the same values and is
 faster than TensorFlow's CPU float8 Cast.
 
 New variables enter each signature graph as resource placeholders named
@@ -61,6 +61,7 @@ from tfpolicy.core.tf_names import string_attr as _str
 from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.passes import PassResult
 from tfpolicy.passes.builder import CAPTURE_SCOPE, GraphBuilder  # noqa: F401  (CAPTURE_SCOPE re-exported)
+from tfpolicy.passes.float8_rounding import clip_and_round_to_float8
 from tfpolicy.passes.int4 import Int4Rewrites
 from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the formulas' constants, the variables)
     EPSILON,
@@ -471,41 +472,6 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
                 self.const(f"{base}/max", FLOAT8_E4M3_MAX, dtype)], T=T)
             back = self.cast(self.cast(clipped, FLOAT8, f"{base}/to_float8"), dtype, f"{base}/from_float8")
         else:
-            rounded = self._clip_and_round_to_float8(self.cast(divided, DT_FLOAT, f"{base}/to_float32"), f"{base}/round")
+            rounded = clip_and_round_to_float8(self, self.cast(divided, DT_FLOAT, f"{base}/to_float32"), f"{base}/round")
             back = self.cast(rounded, dtype, f"{base}/from_float32")
         return self.op("Mul", f"{base}/dequantize", [back, scale], T=T)
-
-    def _clip_and_round_to_float8(self, x: TensorRef, base: str) -> TensorRef:
-        """float32 ``x`` clipped to +-448 and rounded to float8 e4m3fn's nearest value (ties to even), in float32.
-
-        What ``Cast(Cast(ClipByValue(x, -448, 448), float8_e4m3fn), float32)``
-        computes, without TensorFlow's CPU float8 Cast (an element at a time)
-        or a ClipByValue in bfloat16. On the magnitude: float8's step at ``x``
-        is ``2**(e - 3)`` for ``x``'s exponent ``e`` (3 mantissa bits), and
-        ``2**-9`` below ``2**-6`` (subnormals). Adding ``c = 1.5 * 2**(e + 20)``
-        lands in a float32 binade whose step is exactly that, so float32's own
-        round-to-nearest-even rounds the magnitude, and subtracting ``c`` is
-        exact; the sign bit is put back (so -0.0 stays -0.0, and NaN stays NaN)::
-
-            m = min(|x|, 448);  e = max(bits(m) & exponent, bits(2**-6));  c = as_float(e) * 1.5 * 2**20
-            result = sign(x) | ((m + c) - c)
-        """
-        f32, i32 = _type(DT_FLOAT), _type(INT32)
-        bits = self.op("Bitcast", f"{base}/bits", [x], T=f32, type=i32)
-        sign = self.op("BitwiseAnd", f"{base}/sign", [bits, self.const(f"{base}/sign_mask", -(2**31), INT32)], T=i32)
-        magnitude = self.op("Bitcast", f"{base}/magnitude", [self.op("BitwiseAnd", f"{base}/magnitude_bits", [
-            bits, self.const(f"{base}/magnitude_mask", 2**31 - 1, INT32)], T=i32)], T=i32, type=f32)
-        clipped = self.op("Minimum", f"{base}/clipped", [magnitude, self.const(f"{base}/max", FLOAT8_E4M3_MAX, DT_FLOAT)],
-                          T=f32)  # Minimum(NaN, 448) is NaN, as ClipByValue keeps it
-        exponent = self.op("BitwiseAnd", f"{base}/exponent", [
-            self.op("Bitcast", f"{base}/clipped_bits", [clipped], T=f32, type=i32),
-            self.const(f"{base}/exponent_mask", 0x7F800000, INT32)], T=i32)
-        floor = self.op("Maximum", f"{base}/at_least_normal", [
-            exponent, self.const(f"{base}/smallest_normal", np.float32(2.0**-6).view(np.int32), INT32)], T=i32)
-        magic = self.op("Mul", f"{base}/magic", [self.op("Bitcast", f"{base}/power", [floor], T=i32, type=f32),
-                                                 self.const(f"{base}/shift", 1.5 * 2.0**20, DT_FLOAT)], T=f32)
-        rounded = self.op("Sub", f"{base}/rounded", [self.op("AddV2", f"{base}/rounded_up", [clipped, magic], T=f32),
-                                                     magic], T=f32)
-        signed = self.op("BitwiseOr", f"{base}/signed", [self.op("Bitcast", f"{base}/rounded_bits", [rounded], T=f32, type=i32),
-                                                         sign], T=i32)
-        return self.op("Bitcast", base, [signed], T=i32, type=f32)
