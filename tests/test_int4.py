@@ -135,10 +135,14 @@ def test_int4_forms_are_reported_and_every_kernel_read_is_int8(cases, name):
     graph_def = tf.saved_model.load(str(case.out)).signatures["serving_default"].graph.as_graph_def()
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
     by_name = {n.name: n for n in nodes}
-    unpacks = [n for n in nodes if n.op == "RightShift"]  # one unpack of packed bytes per kernel read
+    # One unpack of packed bytes per kernel read: the bytes viewed as uint8 index the nibble-pair table.
+    unpacks = [n for n in nodes if n.op == "Bitcast" and n.name.endswith("/bytes")]
     assert len(unpacks) == len(case.report.quantization)
-    for shift in unpacks:
-        source = by_name[shift.input[0].split(":")[0]]
+    assert not [n for n in nodes if n.op == "Pack" and n.attr["T"].type == tf.int8.as_datatype_enum]  # one element at a time
+    for unpack in unpacks:
+        source = by_name[unpack.input[0].split(":")[0]]
+        if source.op == "Reshape":  # a kernel's bytes, two at a time
+            source = by_name[source.input[0].split(":")[0]]
         dtype = source.attr["Tparams" if source.op == "GatherV2" else "dtype"].type
         assert source.op in ("ReadVariableOp", "ResourceGather", "GatherV2") and dtype == tf.int8.as_datatype_enum
 
@@ -179,3 +183,29 @@ def test_int4_without_a_block_is_per_channel_as_keras_loads_it(tmp_path):
         (value,) = tf.saved_model.load(str(out)).signatures["serving_default"](tf.constant(x)).values()
         outputs.append(value.numpy())
     np.testing.assert_array_equal(*outputs)
+
+
+def test_nibble_pair_table_is_kerass_unpack_int4_for_every_byte():
+    """The unpacking table, viewed as the graph views it, holds Keras's unpack_int4 of each of the 256 bytes."""
+    from tfpolicy.passes.int4 import NIBBLE_PAIRS  # noqa: PLC0415
+
+    every_byte = np.arange(-128, 128, dtype=np.int8).reshape(1, 256)
+    keras_pairs = np.asarray(keras.quantizers.unpack_int4(every_byte, 512, axis=-1)).reshape(256, 2)
+    as_graph = tf.bitcast(tf.gather(tf.constant(NIBBLE_PAIRS), tf.cast(tf.bitcast(every_byte[0], tf.uint8), tf.int32)), tf.int8)
+    np.testing.assert_array_equal(as_graph.numpy(), keras_pairs)
+    compiled = tf.function(lambda b: tf.bitcast(tf.gather(tf.constant(NIBBLE_PAIRS), tf.cast(tf.bitcast(b, tf.uint8), tf.int32)),
+                                                tf.int8), jit_compile=True)
+    np.testing.assert_array_equal(compiled(tf.constant(every_byte[0])).numpy(), keras_pairs)  # XLA moves the bits too
+
+
+def test_nibble_quad_table_is_kerass_unpack_int4_for_every_pair_of_bytes():
+    from tfpolicy.passes.int4 import nibble_quad_table  # noqa: PLC0415
+
+    words = np.arange(65536, dtype=np.uint16)
+    as_bytes = words.view(np.int8).reshape(1, 131072)  # little-endian byte pairs, every one
+    keras_quads = np.asarray(keras.quantizers.unpack_int4(as_bytes, 262144, axis=-1)).reshape(65536, 4)
+    table = tf.constant(nibble_quad_table())
+    looked_up = tf.function(lambda w: tf.bitcast(tf.gather(table, tf.cast(w, tf.int32)), tf.int8), jit_compile=False)
+    np.testing.assert_array_equal(looked_up(tf.constant(words)).numpy(), keras_quads)
+    compiled = tf.function(lambda w: tf.bitcast(tf.gather(table, tf.cast(w, tf.int32)), tf.int8), jit_compile=True)
+    np.testing.assert_array_equal(compiled(tf.constant(words)).numpy(), keras_quads)

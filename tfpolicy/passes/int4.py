@@ -1,7 +1,8 @@
 """int4 rewrites of the quantize pass, as Keras 3.15's int4 layers run (weight-only).
 
 A packed kernel (two int4 values a byte, Keras's ``pack_int4``) is unpacked in
-the graph with Keras's ``unpack_int4`` ops, then::
+the graph to the values Keras's ``unpack_int4`` gives (by a table lookup,
+:meth:`Int4Rewrites._nibble_pairs`), then::
 
     Dense, per channel:         x -> MatMul(Cast(unpacked)) -> RealDiv(kernel_scale)
     EinsumDense, any blocked:   Cast(unpacked) -> RealDiv(scale) or (q - zero[g]) * scale[g]
@@ -15,17 +16,41 @@ whose node helpers (:class:`~tfpolicy.passes.builder.GraphBuilder`: ``op``,
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Optional
 
 import numpy as np
 
 from tfpolicy.analysis.quant_sites import Int4Kernel, Site
 from tfpolicy.core.graph import Node
-from tfpolicy.core.tf_names import TensorRef
+from tfpolicy.core.tf_names import DT_FLOAT, DT_HALF, DT_UINT8, DT_UINT16, TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import type_attr as _type
+from tfpolicy.passes.builder import CAPTURE_SCOPE
 from tfpolicy.passes.quant_variables import F32, INT8, INT32
+
+
+def _nibble_pair_table() -> np.ndarray:
+    """For each byte ``b`` (0..255), its sign-extended low and high nibbles as two int8s in 16 bits, as float16 bits."""
+    byte = np.arange(256, dtype=np.int32)
+    low = ((byte & 0x0F) ^ 8) - 8
+    high = (((byte >> 4) & 0x0F) ^ 8) - 8
+    pairs = np.stack([low, high], axis=-1).astype(np.int8)  # little-endian: [low, high] in memory
+    return pairs.view(np.uint16).reshape(256).view(np.float16)
+
+
+NIBBLE_PAIRS = _nibble_pair_table()
+
+
+@functools.lru_cache(maxsize=1)
+def nibble_quad_table() -> np.ndarray:
+    """For each little-endian pair of bytes (a uint16), their four sign-extended nibbles as int8s, as float32 bits."""
+    pairs = NIBBLE_PAIRS.view(np.int16).view(np.uint8).reshape(256, 2)  # byte -> (low, high) as uint8 bits
+    words = np.arange(65536, dtype=np.uint32)
+    quads = np.concatenate([pairs[words & 0xFF], pairs[words >> 8]], axis=-1)  # (65536, 4) bytes
+    return np.ascontiguousarray(quads).view(np.float32).reshape(65536)
 
 
 class Int4Rewrites:
@@ -41,16 +66,21 @@ class Int4Rewrites:
         at run time (gathered rows).
         """
         I8 = _type(INT8)
-        mask, eight = self.const(f"{base}/mask", 0x0F, INT8), self.const(f"{base}/eight", 8, INT8)
-        high = self.op("RightShift", f"{base}/shift", [packed, self.const(f"{base}/four", 4, INT8)], T=I8)
-        self._int8_consumers.update({high.node})
-        nibbles = []
-        for half, source in (("low", packed), ("high", high)):
-            nibble = self.op("BitwiseAnd", f"{base}/{half}", [source, mask], T=I8)
-            flipped = self.op("BitwiseXor", f"{base}/{half}_xor", [nibble, eight], T=I8)
-            nibbles.append(self.op("Sub", f"{base}/{half}_signed", [flipped, eight], T=I8))
-            self._int8_consumers.add(nibble.node)
-        pairs = self.op("Pack", f"{base}/pairs", nibbles, T=I8, N=_int(2), axis=_int(-1))
+        if sys.byteorder == "little" and shape is not None and shape[-1] % 2 == 0:
+            pairs = self._nibble_quads(packed, shape, base)
+        elif sys.byteorder == "little":
+            pairs = self._nibble_pairs(packed, base)
+        else:
+            mask, eight = self.const(f"{base}/mask", 0x0F, INT8), self.const(f"{base}/eight", 8, INT8)
+            high = self.op("RightShift", f"{base}/shift", [packed, self.const(f"{base}/four", 4, INT8)], T=I8)
+            self._int8_consumers.update({high.node})
+            nibbles = []
+            for half, source in (("low", packed), ("high", high)):
+                nibble = self.op("BitwiseAnd", f"{base}/{half}", [source, mask], T=I8)
+                flipped = self.op("BitwiseXor", f"{base}/{half}_xor", [nibble, eight], T=I8)
+                nibbles.append(self.op("Sub", f"{base}/{half}_signed", [flipped, eight], T=I8))
+                self._int8_consumers.add(nibble.node)
+            pairs = self.op("Pack", f"{base}/pairs", nibbles, T=I8, N=_int(2), axis=_int(-1))
         if shape is not None:
             target = self.const(f"{base}/shape", [*shape[:-1], 2 * shape[-1]], INT32)
             packed_columns = shape[-1]
@@ -66,6 +96,45 @@ class Int4Rewrites:
             self.const(f"{base}/slice_strides", [1, 1], INT32)],
             T=I8, Index=_type(INT32), begin_mask=_int(0), end_mask=_int(0), ellipsis_mask=_int(1),
             new_axis_mask=_int(0), shrink_axis_mask=_int(0))
+
+    def _nibble_pairs(self, packed: TensorRef, base: str) -> TensorRef:
+        """Each packed byte's two sign-extended nibbles, ``[..., P] -> [..., P, 2]`` int8, by one table lookup.
+
+        The same values as Keras's ``unpack_int4`` ops (shift, mask, xor, sub,
+        then a ``Pack`` along the last axis, which TensorFlow runs an element at
+        a time), in three passes: the byte as an index into a 256-entry table
+        whose entries hold the two int8 values side by side in 16 bits, then
+        those 16 bits viewed as two bytes (little-endian: the low nibble first).
+        The table is float16 only as a 16-bit container, for which TensorFlow
+        has a GPU gather; the bits are moved, never computed on::
+
+            packed:int8 -> Bitcast(uint8) -> Cast(int32) -> GatherV2(table) -> Bitcast(int8) -> [..., P, 2]
+        """
+        as_bytes = self.op("Bitcast", f"{base}/bytes", [packed], T=_type(INT8), type=_type(DT_UINT8))
+        self._int8_consumers.add(as_bytes.node)
+        index = self.op("Cast", f"{base}/index", [as_bytes], SrcT=_type(DT_UINT8), DstT=_type(INT32), Truncate=_bool(False))
+        table = self.const(f"{base}/nibble_pairs", NIBBLE_PAIRS, DT_HALF)
+        pairs16 = self.take(table, index, 0, f"{base}/lookup")
+        return self.op("Bitcast", f"{base}/pairs", [pairs16], T=_type(DT_HALF), type=_type(INT8))
+
+    def _nibble_quads(self, packed: TensorRef, shape: tuple[int, ...], base: str) -> TensorRef:
+        """:meth:`_nibble_pairs` two bytes at a time: ``[..., P] -> [..., P/2, 4]``, half the lookups.
+
+        Each pair of bytes, as a uint16, indexes a 65536-entry table of their four
+        nibbles (float32 as a 32-bit container, one table per graph, 256 KB)::
+
+            packed -> Reshape(..., P/2, 2) -> Bitcast(uint16) -> Cast(int32) -> GatherV2(table) -> Bitcast(int8)
+        """
+        pairs_of_bytes = self.op("Reshape", f"{base}/byte_pairs", [
+            packed, self.const(f"{base}/byte_pairs_shape", [*shape[:-1], shape[-1] // 2, 2], INT32)],
+            T=_type(INT8), Tshape=_type(INT32))
+        self._int8_consumers.add(pairs_of_bytes.node)
+        words = self.op("Bitcast", f"{base}/bytes", [pairs_of_bytes], T=_type(INT8), type=_type(DT_UINT16))
+        index = self.op("Cast", f"{base}/index", [words], SrcT=_type(DT_UINT16), DstT=_type(INT32), Truncate=_bool(False))
+        table_name = f"{CAPTURE_SCOPE}/int4_nibble_quads"
+        table = TensorRef(table_name) if table_name in self.graph.nodes else self.const(table_name, nibble_quad_table(), DT_FLOAT)
+        quads = self.take(table, index, 0, f"{base}/lookup")
+        return self.op("Bitcast", f"{base}/quads", [quads], T=_type(DT_FLOAT), type=_type(INT8))
 
     def _unpacked_kernel(self, read: str, kernel: Int4Kernel) -> TensorRef:
         """The int8 values ``(rows, columns)`` of an int4 kernel read, once per read."""
@@ -95,7 +164,19 @@ class Int4Rewrites:
         values = self.cast(self._unpacked_kernel(read, kernel), dtype, f"{base}/cast")
         if kernel.block_size is None:
             value = self.op("RealDiv", f"{base}/divide", [values, self.scale_as(kernel.scale_name, dtype)], T=T)
-        else:
+        elif kernel.rows % kernel.block_size == 0:  # (blocks, block, columns) against (blocks, 1, columns): broadcast
+            blocks = kernel.rows // kernel.block_size
+            grouped = self.op("Reshape", f"{base}/blocks", [
+                values, self.const(f"{base}/blocks_shape", [blocks, kernel.block_size, kernel.columns], INT32)],
+                T=T, Tshape=_type(INT32))
+            one = self.const(f"{base}/block_axis", 1, INT32)
+            scales = self.op("ExpandDims", f"{base}/scales", [self.scale_as(kernel.scale_name, dtype), one], T=T, Tdim=_type(INT32))
+            zeros = self.op("ExpandDims", f"{base}/zeros", [self.cast(self.read(kernel.zero_name), dtype, f"{base}/zeros_cast"), one],
+                            T=T, Tdim=_type(INT32))
+            value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [grouped, zeros], T=T), scales], T=T)
+            value = self.op("Reshape", f"{base}/rows", [value, self.const(f"{base}/rows_shape", [kernel.rows, kernel.columns], INT32)],
+                            T=T, Tshape=_type(INT32))
+        else:  # a last, shorter block: each row's scale and zero gathered
             groups = self.const(f"{base}/groups", np.arange(kernel.rows) // kernel.block_size, INT32)
             scales = self.take(self.scale_as(kernel.scale_name, dtype), groups, 0, f"{base}/scales")
             zeros = self.cast(self.take(self.read(kernel.zero_name), groups, 0, f"{base}/zeros_int8"), dtype, f"{base}/zeros")
