@@ -127,14 +127,15 @@ def test_int4_site_unpacks_the_packed_kernel(block_size, form):
     quantize.run()
     assert graph.verify() == []
     ops = _ops(graph)
-    assert {"RightShift", "BitwiseAnd", "BitwiseXor", "Pack", "StridedSlice"} <= set(ops)  # Keras's unpack_int4
+    # Keras's unpack_int4, by a lookup of each pair of packed bytes, then the padding column cut
+    assert {"Bitcast", "GatherV2", "StridedSlice"} <= set(ops) and "tfpolicy/int4_nibble_quads" in graph.nodes
     assert graph.nodes["dense/MatMul/ReadVariableOp"].attrs["dtype"].type == DT_INT8
     matmuls = [n for n in graph.nodes.values() if n.op == "MatMul"]
     assert len(matmuls) == 1 and matmuls[0].attrs["T"].type == DT_FLOAT
     if block_size is None:
         assert graph.nodes["dense/MatMul"].op == "RealDiv"
     else:
-        assert graph.nodes["dense/MatMul"].op == "MatMul" and "GatherV2" in ops  # scales and zeros per block
+        assert graph.nodes["dense/MatMul"].op == "MatMul" and "ExpandDims" in ops  # a scale and zero per block, broadcast
 
 
 def test_float8_site_and_its_calibration_update():

@@ -54,7 +54,7 @@ from tfpolicy.analysis.lowering import choose as choose_lowering
 from tfpolicy.analysis.quant_records import IntegerMatmul
 from tfpolicy.analysis.quant_sites import READ_THROUGH, Float8Group, Int8Kernel, QuantPlan, Site
 from tfpolicy.core.graph import Graph, Node
-from tfpolicy.core.tf_names import DT_FLOAT, DT_QINT8, DT_QINT32, DT_QUINT8, DT_UINT8, TensorRef
+from tfpolicy.core.tf_names import DT_BFLOAT16, DT_FLOAT, DT_QINT8, DT_QINT32, DT_QUINT8, DT_UINT8, TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import string_attr as _str
@@ -314,8 +314,43 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         """Keras's ``abs_max_quantize`` along the last axis: ``(integer values in dtype, scale)``, shared per input."""
         key = str(x)
         if key not in self._tokens:
-            self._tokens[key] = self._abs_max(x, (-1,), dtype, f"{x.node}/tfpolicy/int8_tokens")
+            base = f"{x.node}/tfpolicy/int8_tokens"
+            if dtype == DT_BFLOAT16 and self.lowering.int8_matmul != "integer":  # under XLA: Keras's own ops
+                self._tokens[key] = self._abs_max_bfloat16_in_float32(x, base)
+            else:
+                self._tokens[key] = self._abs_max(x, (-1,), dtype, base)
         return self._tokens[key]
+
+    def _abs_max_bfloat16_in_float32(self, x: TensorRef, base: str) -> tuple[TensorRef, TensorRef]:
+        """:meth:`_abs_max` of a bfloat16 ``x`` along the last axis, its full-size steps in float32: the same values.
+
+        TensorFlow's CPU bfloat16 elementwise ops compute in float32 and round,
+        slower than float32's own. So ``x`` is widened once (not under XLA,
+        which may drop a bfloat16 rounding between float32 ops: there the
+        integer lowering keeps Keras's own bfloat16 ops); ``max|x|`` is exact
+        in either; the per-token scale (a column) stays bfloat16, as Keras
+        computes it; ``x * s``, exact in float32 (8-bit by 8-bit significands),
+        is rounded to bfloat16 as Keras's product is; round and clip are exact::
+
+            x:bf16 -> Cast(f32) -> Abs -> Max -> Cast(bf16) -> s = 127 / (amax + eps)       (bfloat16, one per token)
+                      Cast(f32) -> Mul(Cast(s, f32)) -> Cast(bf16) -> Cast(f32) -> Round -> Clip(+-127)  (float32 values)
+        """
+        f32, bf16 = _type(DT_FLOAT), _type(DT_BFLOAT16)
+        wide = self.cast(x, DT_FLOAT, f"{base}/wide")
+        amax = self.op("Max", f"{base}/amax", [self.op("Abs", f"{base}/abs", [wide], T=f32),
+                                                 self.const(f"{base}/axes", [-1], INT32)],
+                       T=f32, Tidx=_type(INT32), keep_dims=_bool(True))
+        scale = self.op("RealDiv", f"{base}/scale", [
+            self.const(f"{base}/range", INT8_RANGE, DT_BFLOAT16),
+            self.op("AddV2", f"{base}/amax_eps", [self.cast(amax, DT_BFLOAT16, f"{base}/amax_bf16"),
+                                                  self.const(f"{base}/epsilon", EPSILON, DT_BFLOAT16)], T=bf16),
+        ], T=bf16)
+        product = self.op("Mul", f"{base}/scaled_wide", [wide, self.cast(scale, DT_FLOAT, f"{base}/scale_wide")], T=f32)
+        rounded_bf16 = self.cast(self.cast(product, DT_BFLOAT16, f"{base}/scaled"), DT_FLOAT, f"{base}/scaled_wide_again")
+        clipped = self.op("ClipByValue", f"{base}/clip", [
+            self.op("Round", f"{base}/round", [rounded_bf16], T=f32),
+            self.const(f"{base}/min", -INT8_RANGE, DT_FLOAT), self.const(f"{base}/max", INT8_RANGE, DT_FLOAT)], T=f32)
+        return clipped, scale
 
     def _token_values(self, values: TensorRef, form: str, dtype: int) -> TensorRef:
         """The quantized input's integer values as ``int8``, ``float32`` or ``quint8`` (shifted by 128)."""
@@ -327,8 +362,9 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
             elif form == "float32":
                 ref = self.cast(values, DT_FLOAT, f"{base}/to_float32")
             else:
-                shifted = self.op("AddV2", f"{base}/shift", [values, self.const(f"{base}/u8_shift", U8_SHIFT, dtype)],
-                                  T=_type(dtype))
+                have = self.graph.tensor_dtype(values)
+                shifted = self.op("AddV2", f"{base}/shift", [values, self.const(f"{base}/u8_shift", U8_SHIFT, have)],
+                                  T=_type(have))
                 as_uint8 = self.cast(shifted, DT_UINT8, f"{base}/to_uint8")
                 ref = self.op("Bitcast", f"{base}/to_quint8", [as_uint8], T=_type(DT_UINT8), type=_type(DT_QUINT8))
             self._token_forms[key] = ref
