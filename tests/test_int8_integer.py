@@ -20,6 +20,7 @@ import keras
 import tfpolicy
 from model_zoo import QUANT_BUILDERS, apply_policy_map_natively
 from tfpolicy.analysis import lowering
+from tfpolicy.passes import quant_variables
 
 MATMUL_OPS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
 
@@ -163,3 +164,38 @@ def test_xla_lowers_the_int8_sites_to_s8_dots(cases, name):
     # The same integers; XLA may keep the bfloat16 rescale in float32 (one bfloat16 step).
     y_xla = compiled(tf.constant(case.x))[next(iter(function.structured_outputs))].numpy()
     np.testing.assert_allclose(y_xla, case.tool_output(), rtol=2**-7, atol=2**-8 * np.abs(y_xla).max())
+
+
+def test_u8_exact_chunks_keeps_every_column_sum_within_float32_integers():
+    """oneDNN adds its bias in float32: a contraction whose u8 x s8 sums could pass 2^24 is split until none can."""
+    rng = np.random.default_rng(0)
+    assert quant_variables.u8_exact_chunks(rng.integers(-127, 128, (768, 64)).astype(np.int8), (0,)) == 1
+    same_sign = np.full((768, 4), 127, np.int8)  # 255 * 127 * 768 > 2^24
+    chunks = quant_variables.u8_exact_chunks(same_sign, (0,))
+    assert chunks == 2 and 255 * 127 * 384 <= 2**24
+    assert quant_variables.u8_exact_chunks(-same_sign, (0,)) == 2
+    # Contracted axes first or last, several of them: the same count.
+    assert quant_variables.u8_exact_chunks(np.full((4, 24, 32), 127, np.int8), (1, 2)) == 2
+    assert quant_variables.u8_exact_chunks(np.full((3100, 2), 127, np.int8), (0,)) == 6  # 517 per chunk; 620 > 518
+
+
+@pytest.mark.skipif(not ONEDNN_EXACT, reason="--target cpu lowers to the float form here (no oneDNN, or no VNNI/AMX)")
+def test_onednn_form_stays_exact_where_its_sums_pass_two_to_the_24(tmp_path):
+    """Near-constant positive weights and positive inputs: the u8 sums pass 2^24, where one oneDNN matmul
+    (its bias added in float32) would be off by one; the chunked form is still Keras's, bit for bit."""
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((768,))
+    layer = keras.layers.Dense(16, name="wide")
+    model = keras.Model(inputs, layer(inputs))
+    rng = np.random.default_rng(2)
+    layer.kernel.assign(rng.uniform(0.9, 1.0, (768, 16)).astype(np.float32))
+    model.export(str(tmp_path / "in"), verbose=False)
+    tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", {"default_policy": "int8_from_float32"}, target="cpu")
+    x = rng.uniform(0.5, 1.0, (32, 768)).astype(np.float32)
+    layer.quantize("int8")
+    y_keras = tf.function(lambda t: model(t))(tf.constant(x)).numpy()
+    function = tf.saved_model.load(str(tmp_path / "out")).signatures["serving_default"]
+    (y_tool,) = function(tf.constant(x)).values()
+    np.testing.assert_array_equal(y_tool.numpy(), y_keras)
+    ops = [n.op for f in function.graph.as_graph_def().library.function for n in f.node_def]
+    assert ops.count("QuantizedMatMulWithBias") == 2

@@ -29,8 +29,13 @@ All three give the same int32 sums, so the output equals Keras's bit for bit:
   x . W``. oneDNN runs it on VNNI or AMX integer units. Without VNNI, oneDNN
   multiplies 8-bit pairs into saturating 16-bit sums (``vpmaddubsw``), which
   changes the result, so it is chosen only on CPUs with AVX512-VNNI, AVX-VNNI
-  or AMX-INT8. The op has no GPU or XLA kernel and needs oneDNN, which the
-  report says.
+  or AMX-INT8. oneDNN converts its int32 sum to float32 to add the bias, so a
+  kernel whose sums could pass ``2**24`` (many large weights of one sign) is
+  contracted in chunks without a bias, added and corrected in int32
+  (``quant_variables.u8_exact_chunks``). The op has no GPU or XLA kernel and
+  needs oneDNN at serving time, which the rewrite says: served with
+  ``TF_ENABLE_ONEDNN_OPTS=0``, its first int8 matmul fails ("Missing 0-th
+  output"), as TensorFlow registers only a placeholder kernel for it then.
 """
 
 from __future__ import annotations

@@ -74,7 +74,9 @@ class NewVariable:
     Its shape and dtype are known at once, its value when :attr:`value` is read.
     ``derived_from`` is the uid of a variable the output keeps whose value
     makes this one's (a float8 kernel's statistics): it is written just after
-    that variable, whose value is then read once.
+    that variable, whose value is then read once. ``companion`` makes a
+    small value computed with this one that the graph needs but the output
+    does not store (see :func:`tfpolicy.passes.quant_variables.build_variables`).
     """
 
     name: str
@@ -83,6 +85,7 @@ class NewVariable:
     make: Callable[[], np.ndarray]
     replaces: Optional[int] = None
     derived_from: Optional[int] = None
+    companion: Optional[Callable[[], np.ndarray]] = None
 
     @classmethod
     def of(cls, name: str, value: np.ndarray, replaces: Optional[int] = None) -> "NewVariable":
@@ -92,10 +95,12 @@ class NewVariable:
 
     @classmethod
     def part(cls, name: str, shape, numpy_dtype, values: LazyValues, index: int,
-             replaces: Optional[int] = None, derived_from: Optional[int] = None) -> "NewVariable":
-        """Value ``index`` of ``values``."""
+             replaces: Optional[int] = None, derived_from: Optional[int] = None,
+             companion: Optional[int] = None) -> "NewVariable":
+        """Value ``index`` of ``values`` (and value ``companion`` of them as its companion)."""
         return cls(
-            name, tuple(int(d) for d in shape), np.dtype(numpy_dtype), lambda: values.get(index), replaces, derived_from
+            name, tuple(int(d) for d in shape), np.dtype(numpy_dtype), lambda: values.get(index), replaces, derived_from,
+            None if companion is None else (lambda: values.get(companion)),
         )
 
     @property

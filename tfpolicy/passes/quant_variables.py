@@ -34,6 +34,8 @@ EPSILON = float(keras.config.epsilon())
 FLOAT8_E4M3_MAX = float(tf.dtypes.experimental.float8_e4m3fn.max)
 U8_SHIFT = 128
 """oneDNN's quantized matmul takes uint8 inputs: int8 values are shifted by 128 (see analysis/lowering.py)."""
+FLOAT32_EXACT_INTEGER = 2**24
+"""oneDNN adds the bias to its int32 sum in float32: exact while every value stays within 2^24."""
 
 
 def build_variables(
@@ -50,18 +52,22 @@ def build_variables(
     a kernel only when one of its values is read (see :class:`LazyValues`).
     Under the oneDNN lowering, an int8 kernel that an integer matmul reads
     also gets ``<kernel>_u8_correction``, ``-128`` times its sums over the
-    contracted axes (int32, one per output channel, in the scale's frame).
+    contracted axes (int32, one per output channel, in the scale's frame),
+    whose companion is how many chunks the contraction is split into so that
+    oneDNN's sums stay exact (:func:`u8_exact_chunks`).
     """
     variables: dict[str, NewVariable] = {}
     integer = {s.variable_uid for s in qplan.sites if s.integer is not None}
     for kernel in sorted(qplan.int8_kernels.values(), key=lambda k: k.name):
         shape = shape_of(kernel.uid)
-        values = LazyValues(functools.partial(_int8_values, read_value, kernel))
+        onednn = lowering is not None and lowering.int8_matmul == "onednn" and kernel.uid in integer
+        values = LazyValues(functools.partial(_int8_values, read_value, kernel, onednn))
         kept = [d for axis, d in enumerate(shape) if axis not in kernel.reduced_axes]
         variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid)
         variables[kernel.scale_name] = NewVariable.part(kernel.scale_name, kept, np.float32, values, 1)
-        if lowering is not None and lowering.int8_matmul == "onednn" and kernel.uid in integer:
-            variables[kernel.correction_name] = NewVariable.part(kernel.correction_name, kept, np.int32, values, 2)
+        if onednn:
+            variables[kernel.correction_name] = NewVariable.part(kernel.correction_name, kept, np.int32, values, 2,
+                                                                 companion=3)
     for kernel in sorted(qplan.int4_kernels.values(), key=lambda k: k.name):
         packed, scale = int4_shapes(kernel)
         values = LazyValues(lambda kernel=kernel: int4_values(read_value(kernel.uid), kernel))
@@ -86,11 +92,42 @@ def build_variables(
     return variables
 
 
-def _int8_values(read_value, kernel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(int8 kernel, scale, u8 correction)``: Keras's ``abs_max_quantize``, and ``-128 x`` the kernel's channel sums."""
+def _int8_values(read_value, kernel, onednn: bool = False) -> tuple[np.ndarray, ...]:
+    """``(int8 kernel, scale, u8 correction, u8 chunks)``: Keras's ``abs_max_quantize``; for the oneDNN
+    lowering, ``-128 x`` the kernel's channel sums and :func:`u8_exact_chunks`."""
     q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
+    scale = np.squeeze(scale, axis=kernel.reduced_axes)
+    if not onednn:
+        return q, scale
     correction = np.int32(-U8_SHIFT) * q.astype(np.int32).sum(axis=kernel.reduced_axes, dtype=np.int32)
-    return q, np.squeeze(scale, axis=kernel.reduced_axes), correction.astype(np.int32)
+    return q, scale, correction.astype(np.int32), np.int32(u8_exact_chunks(q, kernel.reduced_axes))
+
+
+def u8_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...]) -> int:
+    """How many equal chunks the contraction of ``q`` needs for oneDNN's u8 x s8 sums to stay exact.
+
+    oneDNN sums ``u . w`` (``u = x + 128`` in [0, 255]) into int32, then converts
+    the sum to float32 to add the bias: a sum past 2^24 would be rounded. Over a
+    chunk of ``n`` contracted values, a column's sum is at most 255 times the
+    larger of its ``n`` largest positive weights' sum and its ``n`` most negative
+    weights' magnitude, wherever the chunk lies; the fewest chunks that keep
+    that within 2^24 in every column. Most kernels need one; a contraction of
+    many large weights of one sign (a long ``Dense`` of near-constant weights)
+    needs more.
+    """
+    contracted = int(np.prod([q.shape[a] for a in reduced_axes]))
+    columns = np.moveaxis(q, reduced_axes, range(len(reduced_axes))).reshape(contracted, -1).astype(np.int64)
+    limit = FLOAT32_EXACT_INTEGER // 255
+    positive, negative = np.maximum(columns, 0), np.maximum(-columns, 0)
+    if max(positive.sum(0).max(initial=0), negative.sum(0).max(initial=0)) <= limit:
+        return 1
+    # The sum of each column's n largest magnitudes of one sign, for every n.
+    largest = np.maximum(np.cumsum(-np.sort(-positive, axis=0), axis=0).max(axis=1),
+                         np.cumsum(-np.sort(-negative, axis=0), axis=0).max(axis=1))
+    for chunks in range(2, contracted + 1):
+        if largest[-(-contracted // chunks) - 1] <= limit:
+            return chunks
+    return contracted
 
 
 def _float8_values(read_value, group, stored: bool = False) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:

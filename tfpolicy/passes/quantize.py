@@ -275,20 +275,39 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         return restore(self.op("AddN", f"{base}/sum", sums, N=_int(len(sums)), T=_type(INT32)))
 
     def _onednn_product(self, values: TensorRef, dtype: int, kernel: TensorRef, site: Site, base: str) -> TensorRef:
-        """oneDNN's ``QuantizedMatMulWithBias``: ``(x + 128) . W`` plus the int32 bias ``-128 . sum(W)``."""
+        """oneDNN's ``QuantizedMatMulWithBias``: ``(x + 128) . W`` plus the int32 bias ``-128 . sum(W)``.
+
+        oneDNN adds the bias in float32: where a kernel's sums could pass 2^24
+        (:func:`u8_exact_chunks`), the contraction is split into chunks without
+        a bias, summed and corrected in int32.
+        """
         form = site.integer
         transpose, contracted, free = form.transpose_kernel, int(np.prod(form.contracted)), int(np.prod(form.free))
         rows, restore = self._as_rows(self._token_values(values, "quint8", dtype), contracted, free, DT_QUINT8, base)
-        weights = self.op("Bitcast", f"{base}/kernel_qint8", [kernel], T=_type(INT8), type=_type(DT_QINT8))
         name = self.qplan.int8_kernels[site.variable_uid].correction_name
         correction = self._in_columns(self.read(name), name, form, f"{base}/correction")
-        bias = self.op("Bitcast", f"{base}/correction_qint32", [correction], T=_type(INT32), type=_type(DT_QINT32))
-        bounds = [self.const(f"{base}/{n}", v, DT_FLOAT) for n, v in
+        chunks = int(self.variables[name].companion())
+        if chunks == 1:
+            return restore(self._onednn_matmul(rows, kernel, correction, transpose, f"{base}/matmul"))
+        sizes = [contracted // chunks + (1 if i < contracted % chunks else 0) for i in range(chunks)]
+        row_parts = self._split(rows, sizes, 1, f"{base}/input_chunks")
+        weight_parts = self._split(kernel, sizes, 1 if transpose else 0, f"{base}/kernel_chunks")
+        no_bias = self.const(f"{base}/no_bias", np.zeros(free, np.int32), INT32)
+        sums = [self._onednn_matmul(r, w, no_bias, transpose, f"{base}/matmul_{i}")
+                for i, (r, w) in enumerate(zip(row_parts, weight_parts))]
+        total = self.op("AddN", f"{base}/sum", sums, N=_int(len(sums)), T=_type(INT32))
+        return restore(self.op("AddV2", f"{base}/corrected", [total, correction], T=_type(INT32)))
+
+    def _onednn_matmul(self, rows: TensorRef, kernel: TensorRef, bias: TensorRef, transpose: bool, name: str) -> TensorRef:
+        """``rows (quint8) . kernel (int8) + bias (int32)`` in int32, by oneDNN."""
+        weights = self.op("Bitcast", f"{name}/kernel_qint8", [kernel], T=_type(INT8), type=_type(DT_QINT8))
+        bias = self.op("Bitcast", f"{name}/bias_qint32", [bias], T=_type(INT32), type=_type(DT_QINT32))
+        bounds = [self.const(f"{name}/{n}", v, DT_FLOAT) for n, v in
                   (("min_input", 0.0), ("max_input", 255.0), ("min_kernel", -INT8_RANGE), ("max_kernel", INT8_RANGE))]
-        product = self.op("QuantizedMatMulWithBias", f"{base}/matmul", [rows, weights, bias, *bounds],
+        product = self.op("QuantizedMatMulWithBias", name, [rows, weights, bias, *bounds],
                           T1=_type(DT_QUINT8), T2=_type(DT_QINT8), Tbias=_type(DT_QINT32), Toutput=_type(DT_QINT32),
                           transpose_a=_bool(False), transpose_b=_bool(transpose), input_quant_mode=_str("MIN_FIRST"))
-        return restore(self.op("Bitcast", f"{base}/matmul_int32", [product], T=_type(DT_QINT32), type=_type(INT32)))
+        return self.op("Bitcast", f"{name}_int32", [product], T=_type(DT_QINT32), type=_type(INT32))
 
     def _as_rows(self, x: TensorRef, contracted: int, free: int, dtype: int, base: str):
         """``x`` as a matrix of rows ``(-1, contracted)``, and how to give a product its leading axes back."""
