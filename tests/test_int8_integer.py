@@ -177,6 +177,11 @@ def test_u8_exact_chunks_keeps_every_column_sum_within_float32_integers():
     # Contracted axes first or last, several of them: the same count.
     assert quant_variables.u8_exact_chunks(np.full((4, 24, 32), 127, np.int8), (1, 2)) == 2
     assert quant_variables.u8_exact_chunks(np.full((3100, 2), 127, np.int8), (0,)) == 6  # 517 per chunk; 620 > 518
+    # Uniform weights over 3072: half the sum each in two halves as they lie; wherever a chunk lies, five.
+    uniform = rng.integers(-127, 128, (3072, 64)).astype(np.int8)
+    assert quant_variables.u8_exact_chunks(uniform, (0,)) == 2
+    assert quant_variables.u8_exact_chunks(uniform, (0,), in_order=False) == 5
+    assert quant_variables.u8_exact_chunks(uniform.T, (1,)) == 5  # contracted axis not leading: any order
 
 
 @pytest.mark.skipif(not ONEDNN_EXACT, reason="--target cpu lowers to the float form here (no oneDNN, or no VNNI/AMX)")

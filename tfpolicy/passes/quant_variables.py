@@ -61,7 +61,9 @@ def build_variables(
     for kernel in sorted(qplan.int8_kernels.values(), key=lambda k: k.name):
         shape = shape_of(kernel.uid)
         onednn = lowering is not None and lowering.int8_matmul == "onednn" and kernel.uid in integer
-        values = LazyValues(functools.partial(_int8_values, read_value, kernel, onednn))
+        in_order = all(not s.integer.kernel_layout and not s.integer.transpose_kernel
+                       for s in qplan.sites if s.variable_uid == kernel.uid and s.integer is not None)
+        values = LazyValues(functools.partial(_int8_values, read_value, kernel, onednn, in_order))
         kept = [d for axis, d in enumerate(shape) if axis not in kernel.reduced_axes]
         variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid)
         variables[kernel.scale_name] = NewVariable.part(kernel.scale_name, kept, np.float32, values, 1)
@@ -92,7 +94,7 @@ def build_variables(
     return variables
 
 
-def _int8_values(read_value, kernel, onednn: bool = False) -> tuple[np.ndarray, ...]:
+def _int8_values(read_value, kernel, onednn: bool = False, in_order: bool = True) -> tuple[np.ndarray, ...]:
     """``(int8 kernel, scale, u8 correction, u8 chunks)``: Keras's ``abs_max_quantize``; for the oneDNN
     lowering, ``-128 x`` the kernel's channel sums and :func:`u8_exact_chunks`."""
     q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
@@ -100,30 +102,44 @@ def _int8_values(read_value, kernel, onednn: bool = False) -> tuple[np.ndarray, 
     if not onednn:
         return q, scale
     correction = np.int32(-U8_SHIFT) * q.astype(np.int32).sum(axis=kernel.reduced_axes, dtype=np.int32)
-    return q, scale, correction.astype(np.int32), np.int32(u8_exact_chunks(q, kernel.reduced_axes))
+    return q, scale, correction.astype(np.int32), np.int32(u8_exact_chunks(q, kernel.reduced_axes, in_order))
 
 
-def u8_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...]) -> int:
-    """How many equal chunks the contraction of ``q`` needs for oneDNN's u8 x s8 sums to stay exact.
+def chunk_sizes(contracted: int, chunks: int) -> list[int]:
+    """``contracted`` values in ``chunks`` contiguous parts, the first ones one longer where it does not divide."""
+    return [contracted // chunks + (1 if i < contracted % chunks else 0) for i in range(chunks)]
+
+
+def u8_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: bool = True) -> int:
+    """How many chunks (:func:`chunk_sizes`) the contraction of ``q`` needs for oneDNN's u8 x s8 sums to stay exact.
 
     oneDNN sums ``u . w`` (``u = x + 128`` in [0, 255]) into int32, then converts
-    the sum to float32 to add the bias: a sum past 2^24 would be rounded. Over a
-    chunk of ``n`` contracted values, a column's sum is at most 255 times the
-    larger of its ``n`` largest positive weights' sum and its ``n`` most negative
-    weights' magnitude, wherever the chunk lies; the fewest chunks that keep
-    that within 2^24 in every column. Most kernels need one; a contraction of
-    many large weights of one sign (a long ``Dense`` of near-constant weights)
-    needs more.
+    the sum to float32 to add the bias: a sum past 2^24 would be rounded. A
+    column's sum over a chunk is at most 255 times the larger of its positive
+    weights' sum and its negative weights' magnitude there; the fewest chunks
+    that keep that within 2^24 in every column. ``in_order``: the matmul
+    contracts the kernel's reduced axes as they lie (leading, in order), so
+    the chunks are those of the variable; else each chunk is bounded by the
+    largest weights of a column wherever they lie. Most kernels need one; a
+    long contraction of large weights of one sign needs more.
     """
     contracted = int(np.prod([q.shape[a] for a in reduced_axes]))
+    in_order = in_order and tuple(reduced_axes) == tuple(range(len(reduced_axes)))
     columns = np.moveaxis(q, reduced_axes, range(len(reduced_axes))).reshape(contracted, -1).astype(np.int64)
     limit = FLOAT32_EXACT_INTEGER // 255
-    positive, negative = np.maximum(columns, 0), np.maximum(-columns, 0)
-    if max(positive.sum(0).max(initial=0), negative.sum(0).max(initial=0)) <= limit:
+    signs = (np.maximum(columns, 0), np.maximum(-columns, 0))
+    if max(part.sum(0).max(initial=0) for part in signs) <= limit:
         return 1
-    # The sum of each column's n largest magnitudes of one sign, for every n.
-    largest = np.maximum(np.cumsum(-np.sort(-positive, axis=0), axis=0).max(axis=1),
-                         np.cumsum(-np.sort(-negative, axis=0), axis=0).max(axis=1))
+    if in_order:
+        prefix = [np.concatenate([np.zeros((1, part.shape[1]), np.int64), np.cumsum(part, axis=0)]) for part in signs]
+        for chunks in range(2, contracted + 1):
+            ends = np.cumsum(chunk_sizes(contracted, chunks))
+            starts = ends - chunk_sizes(contracted, chunks)
+            if all((p[ends] - p[starts]).max() <= limit for p in prefix):
+                return chunks
+        return contracted
+    # Wherever a chunk of n lies: each column's n largest magnitudes of one sign, for every n.
+    largest = np.maximum(*(np.cumsum(-np.sort(-part, axis=0), axis=0).max(axis=1) for part in signs))
     for chunks in range(2, contracted + 1):
         if largest[-(-contracted // chunks) - 1] <= limit:
             return chunks

@@ -74,6 +74,7 @@ from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the f
     U8_SHIFT,
     NewVariable,
     build_variables,
+    chunk_sizes,
 )
 
 logger = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         if chunks == 1:
             return restore(self.op("MatMul", f"{base}/matmul", [rows, weights], T=_type(DT_FLOAT),
                                    transpose_a=_bool(False), transpose_b=_bool(transpose)))
-        sizes = [contracted // chunks + (1 if i < contracted % chunks else 0) for i in range(chunks)]
+        sizes = chunk_sizes(contracted, chunks)
         row_parts = self._split(rows, sizes, 1, f"{base}/input_chunks")
         weight_parts = self._split(weights, sizes, 1 if transpose else 0, f"{base}/kernel_chunks")
         sums = []
@@ -289,7 +290,7 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         chunks = int(self.variables[name].companion())
         if chunks == 1:
             return restore(self._onednn_matmul(rows, kernel, correction, transpose, f"{base}/matmul"))
-        sizes = [contracted // chunks + (1 if i < contracted % chunks else 0) for i in range(chunks)]
+        sizes = chunk_sizes(contracted, chunks)
         row_parts = self._split(rows, sizes, 1, f"{base}/input_chunks")
         weight_parts = self._split(kernel, sizes, 1 if transpose else 0, f"{base}/kernel_chunks")
         no_bias = self.const(f"{base}/no_bias", np.zeros(free, np.int32), INT32)
