@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 import logging
 from pathlib import Path
 
@@ -395,3 +397,49 @@ def test_lookup_agrees_with_keras(spec: dict[str, str], default: str) -> None:
         if match.key is not None:
             used.add(match.key)
     assert used.isdisjoint(ours.unused_keys(_PATHS))
+
+
+# ---------------------------------------------------------------- hostile maps
+
+
+def test_a_catastrophically_backtracking_key_is_an_error_naming_it_not_a_hang():
+    pm = PolicyMap.load({"default_policy": "float32", "policy_map": {"(a+)+": "mixed_bfloat16", "dense": "float32"}})
+    started = time.monotonic()
+    with pytest.raises(PolicyMapError, match=r"key '\(a\+\)\+' takes over 2 s to match the layer path 'a+b'"):
+        pm.lookup("a" * 40 + "b")
+    assert time.monotonic() - started < 10
+    with pytest.raises(PolicyMapError, match="backtracks catastrophically"):
+        pm.unused_keys(["a" * 40 + "b"])
+    assert pm.lookup("aaaa").key == "(a+)+"  # the limit leaves ordinary matches alone
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_deeply_nested_json_map_is_an_error_not_a_recursion_error(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(PolicyMapError, match="nests arrays or objects more than 32 levels deep"):
+        PolicyMap.load(path)
+    # Brackets inside strings are not nesting.
+    text = json.dumps({"default_policy": "float32", "policy_map": {"\\[" * 50 + "x": "float32"}})
+    assert PolicyMap.from_json_text(text).keys == ("\\[" * 50 + "x",)
+
+
+@pytest.mark.parametrize("length", [10**12, 0, 2**20 + 1])
+def test_amax_history_lengths_that_cannot_be_built_are_errors_in_both_forms(length):
+    plain = {"default_policy": "float32",
+             "policy_map": {"d": {"name": "float8_from_float32", "amax_history_length": length}}}
+    with pytest.raises(PolicyMapError, match="amax_history_length must be"):
+        PolicyMap.load(plain)
+    if length < 1:
+        return  # Keras itself refuses it when the serialized form is deserialized
+    keras_map = dp.DTypePolicyMap(default_policy="float32")
+    keras_map["d"] = dp.QuantizedFloat8DTypePolicy(mode="float8", source_name="float32", amax_history_length=length)
+    text = json.dumps(keras.saving.serialize_keras_object(keras_map))
+    with pytest.raises(PolicyMapError, match=f"amax_history_length must be between 1 and {2**20}.*got {length}"):
+        PolicyMap.from_json_text(text)
+
+
+def test_an_int4_block_too_large_to_build_is_an_error():
+    with pytest.raises(PolicyMapError, match="int4 block size must be at most 65536.*got 100000000000000000000"):
+        PolicyMap.load({"default_policy": "float32", "policy_map": {"d": "int4/100000000000000000000_from_float32"}})
+    assert PolicyMap.load({"default_policy": "int4/128_from_float32"}).default_policy.block_size == 128

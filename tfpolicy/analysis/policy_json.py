@@ -86,6 +86,27 @@ def document_body(
     return body, ("config",)
 
 
+MAX_JSON_DEPTH = 32
+"""A Keras-serialized map nests 6 levels deep; Python's JSON parser recurses once per level."""
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def check_depth(text: str, origin: str) -> None:
+    """Refuse JSON nested deeper than :data:`MAX_JSON_DEPTH` before parsing it (a recursive parse could fail)."""
+    depth = deepest = 0
+    for char in _JSON_STRING.sub('""', text):
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_JSON_DEPTH:
+                raise PolicyMapError(
+                    f"policy map {origin} nests arrays or objects more than {MAX_JSON_DEPTH} levels deep;"
+                    " a policy map needs at most 6"
+                )
+        elif char in "]}":
+            depth -= 1
+
+
 def compile_key(key: object, where: str) -> re.Pattern[str]:
     """Check that ``key`` is a string and a valid regular expression."""
     if not isinstance(key, str):
@@ -152,14 +173,32 @@ def parse_name_form(raw: Mapping[str, Any], what: str) -> DTypePolicy:
     )
 
 
+MAX_AMAX_HISTORY_LENGTH = 2**20
+"""Keras's default is 1024; each float8 layer keeps two float32 histories of this length."""
+MAX_INT4_BLOCK_SIZE = 2**16
+"""Keras pads a kernel's rows to a whole block in memory before quantizing: real blocks are 32-256."""
+
+
 def check_policy(policy: object, what: str, raw: object = None) -> None:
-    """A map value or default must be a plain (non-map) ``DTypePolicy``."""
+    """A map value or default must be a plain (non-map) ``DTypePolicy`` of a size that can be built."""
     if isinstance(policy, KerasPolicyMap):
         raise PolicyMapError(f"{what}: a policy must not itself be a DTypePolicyMap")
     if not isinstance(policy, DTypePolicy):
         # keras.dtype_policies.get returns an unknown class_name as a bare string.
         shown = show(raw) if raw is not None else show(policy)
         raise PolicyMapError(f"{what}: {shown} is not a dtype policy")
+    length = getattr(policy, "amax_history_length", None)
+    if isinstance(length, (int, float)) and not 1 <= length <= MAX_AMAX_HISTORY_LENGTH:
+        raise PolicyMapError(
+            f"{what}: amax_history_length must be between 1 and {MAX_AMAX_HISTORY_LENGTH} (Keras's default is"
+            f" 1024; each float8 layer keeps two float32 histories that long), got {show(length)}"
+        )
+    block = getattr(policy, "block_size", None)
+    if isinstance(block, (int, float)) and block > MAX_INT4_BLOCK_SIZE:
+        raise PolicyMapError(
+            f"{what}: int4 block size must be at most {MAX_INT4_BLOCK_SIZE} (Keras pads each kernel to a whole"
+            f" block before quantizing; usual blocks are 32-256), got {show(block)}"
+        )
 
 
 def check_fields(obj: Mapping[str, Any], allowed: tuple[str, ...], what: str) -> None:

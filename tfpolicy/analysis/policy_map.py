@@ -43,7 +43,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import keras
 
-from tfpolicy.analysis import policy_json
+from tfpolicy.analysis import policy_json, regex_limit
 from tfpolicy.analysis.policy_json import JsonPath, describe_policy, is_quantized  # noqa: F401  (re-exported)
 from tfpolicy.errors import AmbiguousPathError, PolicyMapError
 
@@ -154,6 +154,7 @@ class PolicyMap:
     @classmethod
     def from_json_text(cls, text: str, *, origin: str = "<string>") -> PolicyMap:
         """Parse JSON text in either accepted form; ``origin`` names it in errors."""
+        policy_json.check_depth(text, origin)
         try:
             document = json.loads(text, object_pairs_hook=policy_json.reject_duplicate_keys)
         except json.JSONDecodeError as exc:
@@ -293,9 +294,14 @@ class PolicyMap:
         if not isinstance(path, str):
             raise TypeError(f"layer path must be a str or None, got {type(path).__name__}")
         try:
-            policy = self._keras_map[path]
+            with regex_limit.time_limit():
+                policy = self._keras_map[path]
         except ValueError as exc:
             raise self._ambiguous(path, self._regex_matches(path)) from exc
+        except regex_limit.RegexTimeout:
+            self._regex_matches(path)  # names the key that backtracks
+            raise PolicyMapError(f"policy map {self._origin}: its keys take over {regex_limit.SECONDS:g} s to match"
+                                 f" the layer path {path!r}; simplify the regexes") from None
         if path in self._policies:
             key: Optional[str] = path
         else:
@@ -320,13 +326,25 @@ class PolicyMap:
         path_set = {p for p in paths if p is not None}
         return [
             key
-            for key, pattern in self._patterns.items()
-            if key not in path_set and not any(pattern.fullmatch(p) for p in path_set)
+            for key in self._patterns
+            if key not in path_set and not any(self._fullmatch(key, p) for p in path_set)
         ]
 
     def key_names(self, key: str, path: str) -> bool:
         """Whether ``key`` is ``path`` or fully matches it as a regex."""
-        return key == path or bool(self._patterns[key].fullmatch(path))
+        return key == path or self._fullmatch(key, path)
+
+    def _fullmatch(self, key: str, path: str) -> bool:
+        """``re.fullmatch(key, path)`` within :mod:`regex_limit`'s time, else a map error naming the key."""
+        try:
+            with regex_limit.time_limit():
+                return self._patterns[key].fullmatch(path) is not None
+        except regex_limit.RegexTimeout:
+            raise PolicyMapError(
+                f"policy map key {key!r}{self._where(key)} takes over {regex_limit.SECONDS:g} s to match the layer"
+                f" path {path!r}: the regex backtracks catastrophically (nested repetition such as '(a+)+');"
+                " write it without a repeated group that can match the same text in several ways"
+            ) from None
 
     def to_keras(self) -> KerasPolicyMap:
         """A fresh ``DTypePolicyMap`` with copied policies, safe to mutate."""
@@ -336,7 +354,7 @@ class PolicyMap:
         return result
 
     def _regex_matches(self, path: str) -> list[str]:
-        return [key for key, pattern in self._patterns.items() if pattern.fullmatch(path)]
+        return [key for key in self._patterns if self._fullmatch(key, path)]
 
     def _ambiguous(self, path: str, keys: list[str]) -> AmbiguousPathError:
         error = AmbiguousPathError(
