@@ -20,7 +20,7 @@ from tfpolicy.analysis import index_limits, layer_index, lowering, quant_sites
 from tfpolicy.analysis.plan import Plan
 from tfpolicy.analysis.plan import plan as make_plan
 from tfpolicy.analysis.policy_map import PolicyMap, PolicyMapSource
-from tfpolicy.core import assemble, checkpoints, savedmodel_io, savedmodel_save, tf_names
+from tfpolicy.core import assemble, checkpoints, paths, savedmodel_io, savedmodel_save, tf_names
 from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import run_passes
 from tfpolicy.passes.calibration import CalibrationPass
@@ -97,8 +97,8 @@ def rewrite(
     """
     input_path, output_path = pathlib.Path(input_dir), pathlib.Path(output_dir)
     check_target_name(target)
-    savedmodel_io.check_input_dir(input_path)
-    savedmodel_save.check_output_dir(input_path, output_path, overwrite)
+    paths.check_input_dir(input_path)
+    paths.check_output_dir(input_path, output_path, overwrite)
     batches = _calibration_batches(calibration_data, calibration_batch_size, calibration_batches)
     state = _run(input_path, output_path, policy_map, signatures, strict, target, int8_convolutions)
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))

@@ -21,6 +21,7 @@ tfpolicy: one line, nothing written; ``TFPOLICY_DEBUG=1`` shows the traceback).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import types
@@ -77,9 +78,49 @@ EXIT_VALIDATION_FAILED = 1
 EXIT_INTERNAL_ERROR = 3
 
 
+EXIT_INTERRUPTED = 128  # plus the signal's number: 130 for SIGINT, 143 for SIGTERM
+_CONTROL_CHARACTERS = {i: f"\\x{i:02x}" for i in range(32)} | {ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"}
+
+
+def _line(message: str) -> str:
+    """``message`` on one line: a newline in a path is shown as ``\\n``."""
+    return message.translate(_CONTROL_CHARACTERS)
+
+
 def _fail(message: str) -> None:
-    print(f"tfpolicy: error: {message}", file=sys.stderr)
+    print(_line(f"tfpolicy: error: {message}"), file=sys.stderr)
     sys.exit(EXIT_USER_ERROR)
+
+
+class _Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived: unwinds like KeyboardInterrupt, so every staging directory is removed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_received: list[int] = []  # the interrupt that arrived, if one did
+
+
+def _on_interrupt(signum: int, frame) -> None:  # noqa: ANN001  (signal handler protocol)
+    for each in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the clean-up short
+        signal.signal(each, signal.SIG_IGN)
+    _received.append(signum)
+    raise _Interrupted(signum)
+
+
+def _report_interrupt(signum: int) -> None:
+    """One line, and the shell's exit status for a death by that signal; nothing half-written is left."""
+    from tfpolicy.core import staging  # noqa: PLC0415
+
+    name = signal.Signals(signum).name
+    if staging.published:
+        what = f"after writing '{staging.published[-1]}', which is complete"
+    else:
+        what = "nothing was written"
+    print(_line(f"tfpolicy: interrupted by {name}; {what}"), file=sys.stderr, flush=True)
+    sys.exit(EXIT_INTERRUPTED + signum)
 
 
 def _progress(message: str) -> None:
@@ -91,18 +132,31 @@ def _progress(message: str) -> None:
 
 def _summary(message: str) -> None:
     if not FLAGS.quiet:
-        print(f"tfpolicy: {message}", file=sys.stderr, flush=True)
+        print(_line(f"tfpolicy: {message}"), file=sys.stderr, flush=True)
 
 
-def _check_report_path(path: str | None = None) -> None:
-    path = FLAGS.report if path is None else path
-    if not path:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        _fail(f"cannot write report '{path}': directory '{parent}' does not exist")
-    if not os.access(parent, os.W_OK) or os.path.isdir(path):
-        _fail(f"cannot write report '{path}': not a writable file location")
+def _check_paths(positional: list[str]) -> None:
+    """Every path the run reads or writes, before TensorFlow is imported: a mistyped one is answered at once."""
+    from tfpolicy.core import paths  # noqa: PLC0415  (no TensorFlow)
+    from tfpolicy.errors import TfPolicyError  # noqa: PLC0415
+
+    try:
+        with open(FLAGS.map, "rb"):
+            pass
+    except OSError as exc:
+        _fail(f"cannot read policy map {FLAGS.map}: {exc.strerror}")
+    try:
+        paths.check_input_dir(positional[0])
+        outputs: tuple[str, ...] = ()
+        if FLAGS.serving_base:
+            outputs = (FLAGS.serving_base,)
+        elif not FLAGS.explain:
+            paths.check_output_dir(positional[0], positional[1], FLAGS.overwrite)
+            outputs = (positional[1],)
+        for flag in ("report", "report_html"):
+            paths.check_report_path(FLAGS[flag].value, positional[0], outputs, what=f"--{flag} file")
+    except TfPolicyError as exc:
+        _fail(str(exc))
 
 
 def _check_flag_combinations(positional: list[str]) -> None:
@@ -123,10 +177,25 @@ def _check_flag_combinations(positional: list[str]) -> None:
             _fail(f"--version must be a non-negative integer, got {FLAGS.version}")
         if len(positional) != 1:
             _fail(f"with --serving_base give only INPUT, got {len(positional)} argument(s); {USAGE}")
-    _check_report_path(FLAGS.report_html)
 
 
 def main(argv: Sequence[str]) -> None:
+    """The command: SIGINT and SIGTERM at any point end it with one line, nothing half-written left."""
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, _on_interrupt)
+    try:
+        _main(argv)
+    except (_Interrupted, KeyboardInterrupt):
+        pass
+    except SystemExit:
+        if not _received:
+            raise
+    # Also when TensorFlow swallowed the exception and the run went on: the user asked it to stop.
+    if _received:
+        _report_interrupt(_received[0])
+
+
+def _main(argv: Sequence[str]) -> None:
     positional = list(argv[1:])
     if FLAGS.map is None:
         _fail(f"--map is required; {USAGE}")
@@ -134,7 +203,7 @@ def main(argv: Sequence[str]) -> None:
     wanted = 1 if FLAGS.explain or FLAGS.serving_base else 2
     if len(positional) != wanted and not (FLAGS.explain and len(positional) == 2):
         _fail(f"expected {'INPUT [OUTPUT]' if FLAGS.explain else 'INPUT OUTPUT'}, got {len(positional)} argument(s); {USAGE}")
-    _check_report_path()
+    _check_paths(positional)
     _quiet_tensorflow()
     import tfpolicy  # noqa: PLC0415  (after the environment is set)
 
@@ -146,7 +215,7 @@ def main(argv: Sequence[str]) -> None:
         if FLAGS.explain:
             report = tfpolicy.explain(positional[0], FLAGS.map, signatures=FLAGS.signatures, strict=FLAGS.strict,
                                       target=FLAGS.target, int8_convolutions=FLAGS.int8_convolutions)
-            print(report.format_table())
+            _print_table(report.format_table())
         else:
             data = FLAGS.validation_data or FLAGS.calibration_data
             if FLAGS.validate and data is not None:
@@ -170,15 +239,19 @@ def main(argv: Sequence[str]) -> None:
         _write_reports(exc.report, validation)
         _fail_validation(validation)
     except tfpolicy.TfPolicyError as exc:
+        if _received:  # an error the interrupt caused (a write cut short)
+            raise _Interrupted(_received[0]) from exc
         _fail(str(exc))
     except Exception as exc:  # noqa: BLE001  (a bug of ours: one line, not a traceback)
+        if _received:  # the interrupt, rewrapped by TensorFlow's C++ (pybind11) on its way up
+            raise _Interrupted(_received[0]) from exc
         if os.environ.get("TFPOLICY_DEBUG"):
             raise
         from tfpolicy.errors import cause_line  # noqa: PLC0415
 
         first = cause_line(str(exc))
-        print(f"tfpolicy: internal error: {type(exc).__name__}: {first} (nothing was written;"
-              " TFPOLICY_DEBUG=1 shows the traceback; please report it)", file=sys.stderr)
+        print(_line(f"tfpolicy: internal error: {type(exc).__name__}: {first} (nothing was written;"
+                    " TFPOLICY_DEBUG=1 shows the traceback; please report it)"), file=sys.stderr)
         sys.exit(EXIT_INTERNAL_ERROR)
     if validation is not None and not validation.passed:
         _fail_validation(validation)
@@ -248,7 +321,7 @@ def _write_reports(report: Optional[Report], validation: Optional[ValidationRepo
     import pathlib  # noqa: PLC0415
 
     if validation is not None:
-        print(validation.format_table(), flush=True)
+        _print_table(validation.format_table())
     from tfpolicy.validation import html_report  # noqa: PLC0415
 
     writers = []
@@ -261,6 +334,15 @@ def _write_reports(report: Optional[Report], validation: Optional[ValidationRepo
             write(pathlib.Path(path))
         except OSError as exc:
             _fail(f"cannot write report '{path}': {exc.strerror}")
+
+
+def _print_table(text: str) -> None:
+    """``text`` on stdout; a reader that closed the pipe early (``| head``) ends the run quietly, as ``cat`` would."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit must not fail
+        sys.exit(EXIT_INTERRUPTED + signal.SIGPIPE)
 
 
 def _fail_validation(validation: ValidationReport) -> None:

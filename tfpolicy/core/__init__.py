@@ -13,4 +13,6 @@ TensorFlow's private APIs live in :mod:`tfpolicy.core.tf_internals` alone.
     tf_names        TensorFlow's edge-name and dtype-attribute rules
     assemble        the output's root object: variables, signatures, tfpolicy.calibrate
     tf_internals    every tensorflow.python import, each with why
+    paths           the input, output and report paths, checked before any work (no TensorFlow)
+    staging         staging directories: stale ones removed, published by rename, interrupts held
 """

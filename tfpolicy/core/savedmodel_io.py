@@ -24,7 +24,7 @@ import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2, saved_model_pb2
 
-from tfpolicy.core import checkpoints, tf_internals, tf_names
+from tfpolicy.core import checkpoints, paths, tf_internals, tf_names
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.errors import SavedModelError, cause_line
 
@@ -80,17 +80,6 @@ class LoadedModel:
 # ---------------------------------------------------------------------------
 
 
-def check_input_dir(path: pathlib.Path) -> None:
-    if not path.exists():
-        raise SavedModelError(f"input SavedModel '{path}' does not exist")
-    if not path.is_dir():
-        raise SavedModelError(f"input '{path}' is not a directory")
-    if not (path / "saved_model.pb").exists() and not (path / "saved_model.pbtxt").exists():
-        raise SavedModelError(
-            f"input '{path}' is not a SavedModel: it has no saved_model.pb"
-        )
-
-
 def read_meta_graph(path: pathlib.Path, tag: str = "serve") -> Optional[meta_graph_pb2.MetaGraphDef]:
     """The MetaGraphDef of ``path``'s ``saved_model.pb`` tagged ``tag`` (graph, library, signatures), or None."""
     saved_model = saved_model_pb2.SavedModel()
@@ -109,7 +98,7 @@ def load(path: pathlib.Path, signatures: Optional[Sequence[str]] = None, *, stre
     is needed. A checkpoint whose keys the loaded objects do not all account
     for is restored as usual.
     """
-    check_input_dir(path)
+    paths.check_input_dir(path)
     root = _load_root(path, streamed)
     checkpoint = None
     if streamed and checkpoints.has_checkpoint(path):

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 
-from tfpolicy.core import checkpoints, tf1_saver, tf_internals, tf_names
+from tfpolicy.core import checkpoints, staging, tf1_saver, tf_internals, tf_names
 from tfpolicy.core.graph import Graph
 from tfpolicy.core.savedmodel_io import SignatureProgram
 from tfpolicy.core.tf_names import TensorRef
@@ -73,21 +73,6 @@ def graph_to_function_def(graph: Graph, original: function_pb2.FunctionDef, new_
 # ---------------------------------------------------------------------------
 # Saving
 # ---------------------------------------------------------------------------
-
-
-def check_output_dir(input_dir: pathlib.Path, output_dir: pathlib.Path, overwrite: bool) -> None:
-    src = input_dir.resolve()
-    dst = output_dir.resolve()
-    if dst == src:
-        raise OutputError(f"output '{output_dir}' is the input SavedModel; choose another directory")
-    if src in dst.parents:
-        raise OutputError(f"output '{output_dir}' lies inside the input SavedModel '{input_dir}'")
-    if dst in src.parents:
-        raise OutputError(f"output '{output_dir}' contains the input SavedModel '{input_dir}'")
-    if output_dir.exists() and not overwrite:
-        raise OutputError(f"output '{output_dir}' already exists; pass --overwrite to replace it")
-    if not dst.parent.exists():
-        raise OutputError(f"output's parent directory '{dst.parent}' does not exist")
 
 
 def _function_name(name: str, fdef: function_pb2.FunctionDef) -> str:
@@ -193,16 +178,19 @@ def save_atomically(
     check: Optional[Callable[[pathlib.Path], None]] = None,
     fill: Optional[checkpoints.ValueWriter] = None,
 ) -> None:
-    """Save into a temporary directory beside ``output_dir`` and rename it into place.
+    """Save into a staging directory beside ``output_dir`` and rename it into place (:mod:`staging`).
 
     ``fill``, when given, writes the values of variables that had none (see
     :mod:`tfpolicy.core.checkpoints`): it starts before the save and finishes
     after it. ``check(staged_dir)`` runs on the finished copy before the
-    rename. If anything raises, nothing is left behind.
+    rename. If anything raises, or the process is interrupted, nothing is left
+    behind; a disk that refuses the write (full, read-only) is an
+    :class:`OutputError`.
     """
     parent = output_dir.resolve().parent
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tfpolicy-tmp-", dir=parent))
+    tmp = None
     try:
+        tmp = staging.make(parent, "tmp", output_dir.name)
         if fill is not None:
             fill.start(tmp)
         # Serving never differentiates: custom gradients (Keras's SiLU, keras_hub's
@@ -216,20 +204,19 @@ def save_atomically(
             _save_graph_with_tf_saver(root, signatures, tmp)
         if check is not None:
             check(tmp)
-        if output_dir.exists():
-            if not overwrite:
-                raise OutputError(f"output '{output_dir}' already exists; pass --overwrite to replace it")
-            trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tfpolicy-old-", dir=parent))
-            os.rename(output_dir, trash / "old")
-            os.rename(tmp, output_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, output_dir)
-    except BaseException:
+        staging.publish(tmp, output_dir, overwrite)
+    except FileExistsError as exc:
+        raise OutputError(f"output '{output_dir}' already exists; pass --overwrite to replace it") from exc
+    except (OSError, tf.errors.OpError) as exc:
+        line = staging.write_failure(exc, output_dir)
+        if line is None:
+            raise
+        raise OutputError(line) from exc
+    finally:
         if fill is not None:
             fill.cancel()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if tmp is not None and tmp.exists():
+            staging.discard(tmp)
 
 
 def _save_graph_with_tf_saver(root: object, signatures: dict[str, object], saved_model_dir: pathlib.Path) -> None:

@@ -8,13 +8,13 @@ TF Serving watches a base directory and serves its numbered subdirectories::
             saved_model.pb
             variables/
             assets.extra/tf_serving_warmup_requests   (with warmup examples)
-        .tfpolicy-export-3-k2j9/    <- staging: a name the server ignores
+        .tfpolicy-export-4711@1a2b3c4d-k2j9/    <- staging (pid@host): a name the server ignores
 
 Everything is written into a hidden staging directory inside ``export_base``
 (same filesystem), checked, and only then renamed to ``export_base/<version>``,
 so a server never sees a half-written version. A failure or an interrupt
-removes the staging directory; a killed process may leave it behind, but never
-a version directory.
+removes the staging directory; one a killed process left behind is removed by
+the next export (:mod:`tfpolicy.core.staging`), and never a version directory.
 
 Warmup records are TF Serving's format: a TFRecord file of ``PredictionLog``
 protos, each holding a ``PredictRequest`` for ``serving_default``, which the
@@ -28,15 +28,13 @@ import dataclasses
 import logging
 import os
 import pathlib
-import shutil
-import tempfile
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 
 from tfpolicy.analysis.policy_map import PolicyMapSource
-from tfpolicy.core import savedmodel_io
+from tfpolicy.core import paths, staging
 from tfpolicy.errors import InputDataError, MissingDependencyError, OutputError, ValidationError
 from tfpolicy.report import Report
 from tfpolicy.validation import inputs
@@ -118,15 +116,16 @@ def export_with_report(
     import tfpolicy  # noqa: PLC0415  (the package's lazy API)
 
     input_path, base = pathlib.Path(input_dir), pathlib.Path(export_base)
-    savedmodel_io.check_input_dir(input_path)
+    paths.check_input_dir(input_path)
     _check_base(input_path, base)
     chosen = resolve_version(base, version)
     requests = _warmup_batches(warmup_examples) if warmup_examples is not None else []
     created_base = not base.exists()
-    base.mkdir(exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".tfpolicy-export-{chosen}-", dir=base))
-    staged = staging / "model"
+    staging_dir = None
     try:
+        base.mkdir(exist_ok=True)
+        staging_dir = staging.make(base, "export")
+        staged = staging_dir / "model"
         options: dict[str, Any] = {}
         if calibration_data is not None:
             options["calibration_data"] = calibration_data
@@ -145,15 +144,21 @@ def export_with_report(
             if not validation.passed:
                 raise ValidationError(validation.failure_line() + f"; version {chosen} not published", validation, report)
         final = base / str(chosen)
-        if final.exists():  # another exporter got there first
-            raise OutputError(f"version {chosen} appeared in '{base}' while exporting; nothing published")
-        os.rename(staged, final)
+        try:
+            staging.publish(staged, final, replace=False)
+        except FileExistsError:  # another exporter got there first
+            raise OutputError(f"version {chosen} appeared in '{base}' while exporting; nothing published") from None
         report.output_dir = str(final)
         logger.info("published %s", final)
         return ExportResult(final, chosen, report, len(requests), validation)
+    except OSError as exc:
+        line = staging.write_failure(exc, base)
+        if line is None:
+            raise
+        raise OutputError(line) from exc
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created_base and not any(base.iterdir()):
+        staging.discard(staging_dir)
+        if created_base and base.is_dir() and not any(base.iterdir()):
             base.rmdir()
 
 
@@ -191,6 +196,7 @@ def _check_base(input_path: pathlib.Path, base: pathlib.Path) -> None:
         raise OutputError(
             f"serving base '{base}' is itself a SavedModel; pass the directory that holds the numbered versions"
         )
+    paths.check_writable_parent(base if base.exists() else base.resolve().parent, "serving base")
 
 
 # ---------------------------------------------------------------------------

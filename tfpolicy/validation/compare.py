@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from tfpolicy.core import savedmodel_io
+from tfpolicy.core import paths
 from tfpolicy.errors import InputDataError
 from tfpolicy.validation import inputs
 from tfpolicy.validation.layer_errors import ErrorAccumulator, LayerStats, compare_layers, json_float
@@ -173,8 +173,8 @@ def validate(
     :meth:`ValidationReport.exceeded`.
     """
     input_path, output_path = pathlib.Path(input_dir), pathlib.Path(output_dir)
-    savedmodel_io.check_input_dir(input_path)
-    savedmodel_io.check_input_dir(output_path)
+    paths.check_input_dir(input_path)
+    paths.check_input_dir(output_path)
     reference = tf.saved_model.load(str(input_path))
     rewritten = tf.saved_model.load(str(output_path))
     keys = sorted(signatures) if signatures else sorted(rewritten.signatures.keys())
