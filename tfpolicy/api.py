@@ -108,7 +108,7 @@ def rewrite(
     )
     report = state.report
     if state.qplan.float8_groups:
-        _calibrate(built, state, report, batches, calibration_progress)
+        _calibrate(built, state, report, batches, calibration_progress, strict)
     elif calibration_data is not None:
         report.warnings.append("calibration data given but no layer is float8; it was not used")
         logger.warning(report.warnings[-1])
@@ -338,7 +338,8 @@ def _calibration_batches(data, batch_size: int, max_batches: Optional[int]) -> O
     return inputs.BatchStream(data, what="calibration data", batch_size=batch_size, max_batches=max_batches)
 
 
-def _calibrate(built, state: _State, report: Report, batches: Optional[inputs.BatchStream], progress) -> None:
+def _calibrate(built, state: _State, report: Report, batches: Optional[inputs.BatchStream], progress,
+               strict: bool = False) -> None:
     groups = sorted(g.prefix for g in state.qplan.float8_groups.values())
     if batches is None:
         report.warnings.append(
@@ -350,13 +351,23 @@ def _calibrate(built, state: _State, report: Report, batches: Optional[inputs.Ba
     function = state.model.signatures[signature].function
     logger.info("calibrating %d float8 layer group(s) on signature %s", len(groups), signature)
     built.materialize()
+    non_finite = inputs.NonFiniteCount()
     for done, batch in enumerate(batches, start=1):
         batch = inputs.conform(batch, function)
         inputs.check_inputs(batch, signature, function, what=f"calibration data, batch {done}")
+        non_finite.add(batch, done)
         built.calibrate(**{name: tf.constant(value) for name, value in batch.items()})
         if progress is not None:
             progress(done, batches.total)
     report.calibration_batches = done
+    if non_finite:
+        report.warnings.append(
+            f"calibration data holds {non_finite.describe()}: the float8 input scales of the batches that hold them"
+            " are NaN or lost (a NaN amax leaves scale 1); remove those rows"
+        )
+        if strict:
+            raise StrictModeError(report.warnings[-1] + " (--strict)")
+        logger.warning(report.warnings[-1])
 
 
 def _scales(new_variables: dict[str, NewVariable]) -> dict:

@@ -76,7 +76,8 @@ class PassError(Exception):
         self.pass_name = pass_name
 
 
-_BOILERPLATE = ("Graph execution error", "Detected at node", "Exception encountered when calling", "Stack trace")
+_BOILERPLATE = ("Graph execution error", "Detected at node", "Exception encountered when calling", "Stack trace",
+                "<stack traces unavailable>")
 
 
 def cause_line(text: str) -> str:

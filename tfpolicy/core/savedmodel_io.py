@@ -100,6 +100,13 @@ def load(path: pathlib.Path, signatures: Optional[Sequence[str]] = None, *, stre
     """
     paths.check_input_dir(path)
     root = _load_root(path, streamed)
+    if not checkpoints.has_checkpoint(path):
+        count = len(_all_variables(root))
+        if count:
+            raise SavedModelError(
+                f"SavedModel '{path}' has {count} variable(s) but no checkpoint: variables/variables.index is"
+                " missing; copy the whole SavedModel directory, its variables/ folder included"
+            )
     checkpoint = None
     if streamed and checkpoints.has_checkpoint(path):
         try:
@@ -165,11 +172,43 @@ def _computation(graph_def: graph_pb2.GraphDef, function: object) -> bytes:
 
 def _load_root(path: pathlib.Path, streamed: bool) -> object:
     options = tf.saved_model.LoadOptions(experimental_skip_checkpoint=streamed)
+    unreadable_fingerprint = _DroppedRecords("Fingerprint was found, but there was an error")
+    absl_logger = logging.getLogger("absl")  # TensorFlow's loader logs it with absl, traceback and all
+    absl_logger.addFilter(unreadable_fingerprint)
     try:
         return tf.saved_model.load(str(path), options=options)
     except Exception as exc:  # TensorFlow raises many types for a broken model
         first = cause_line(str(exc)) if str(exc).strip() else type(exc).__name__
-        raise SavedModelError(f"cannot load SavedModel '{path}': {first}") from exc
+        raise SavedModelError(f"cannot load SavedModel '{path}': {_asset_problem(path) or first}") from exc
+    finally:
+        absl_logger.removeFilter(unreadable_fingerprint)
+        if unreadable_fingerprint.dropped:
+            logger.warning("%s is unreadable; ignored (the output gets its own)", path / "fingerprint.pb")
+
+
+class _DroppedRecords:
+    """A logging filter that drops (and counts) records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.dropped = prefix, 0
+
+    def filter(self, record) -> bool:  # logging.Filter protocol
+        if str(record.msg).startswith(self.prefix):
+            self.dropped += 1
+            return False
+        return True
+
+
+def _asset_problem(path: pathlib.Path) -> Optional[str]:
+    """The first asset file (a vocabulary) the SavedModel lists that is missing or empty, as a reason."""
+    meta = read_meta_graph(path)
+    for asset in meta.asset_file_def if meta is not None else ():
+        file = path / "assets" / asset.filename
+        if not file.is_file():
+            return f"its asset file '{file}' is missing; copy the whole SavedModel directory, assets/ included"
+        if file.stat().st_size == 0:
+            return f"its asset file '{file}' is empty; restore it from the original export"
+    return None
 
 
 def _all_variables(root: object) -> list[tf.Variable]:

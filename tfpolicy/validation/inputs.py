@@ -266,6 +266,35 @@ class BatchStream:
             position += 1
 
 
+class NonFiniteCount:
+    """NaN and infinite values seen in batches of inputs, per input name, with the batches they were in."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.batches: dict[str, list[int]] = {}
+
+    def add(self, batch: Mapping[str, np.ndarray], number: int) -> None:
+        for name, value in batch.items():
+            if value.dtype.kind not in "fc":
+                continue
+            count = int(value.size - np.count_nonzero(np.isfinite(value)))
+            if count:
+                self.counts[name] = self.counts.get(name, 0) + count
+                self.batches.setdefault(name, []).append(number)
+
+    def __bool__(self) -> bool:
+        return bool(self.counts)
+
+    def describe(self) -> str:
+        """``3 non-finite values (NaN or Inf): 2 in input 'x' (batch 1), 1 in input 'y' (batches 2, 5)``."""
+        def where(numbers: list[int]) -> str:
+            shown = ", ".join(str(n) for n in numbers[:5]) + (", ..." if len(numbers) > 5 else "")
+            return f"batch {shown}" if len(numbers) == 1 else f"batches {shown}"
+
+        parts = [f"{count} in input '{name}' ({where(self.batches[name])})" for name, count in sorted(self.counts.items())]
+        return f"{sum(self.counts.values())} non-finite value(s) (NaN or Inf): " + ", ".join(parts)
+
+
 def _known_length(source: Iterable) -> Optional[int]:
     cardinality = getattr(source, "cardinality", None)
     if callable(cardinality):  # a tf.data.Dataset: negative when infinite or unknown
