@@ -15,7 +15,9 @@ Exit status: 0 on success; 2 for any user error, which prints one line on
 stderr and writes nothing; 1 when ``--validate`` measures an output error above
 ``--max_error`` (the table is printed; a plain OUTPUT is kept for inspection, a
 ``--serving_base`` version is not published); 3 for an internal error (a bug in
-tfpolicy: one line, nothing written; ``TFPOLICY_DEBUG=1`` shows the traceback).
+tfpolicy: one line, nothing written; ``TFPOLICY_DEBUG=1`` shows the traceback);
+130 or 143 when SIGINT or SIGTERM stops it (one line; nothing half-written is
+left); 141 when the reader of ``--explain``'s table closed the pipe.
 """
 
 from __future__ import annotations
