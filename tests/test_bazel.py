@@ -39,10 +39,13 @@ BAZEL_TIMEOUT_S = 600
 EXIT_TESTS_FAILED = 3  # bazel test: the build succeeded, a test failed
 SHIPPED_BOUND = 0.05  # max_error of :mlp_bf16_test in examples/bazel/BUILD
 
-pytestmark = pytest.mark.skipif(
-    BAZEL is None and not os.environ.get("TFPOLICY_REQUIRE_BAZEL"),
-    reason="no bazel binary on PATH (apt-get install bazel-bootstrap; .ci/run installs it)",
-)
+pytestmark = [
+    pytest.mark.slow,  # starts Bazel on the example workspace
+    pytest.mark.skipif(
+        BAZEL is None and not os.environ.get("TFPOLICY_REQUIRE_BAZEL"),
+        reason="no bazel binary on PATH (apt-get install bazel-bootstrap; .ci/run installs it)",
+    ),
+]
 
 VERDICT = re.compile(
     r"tfpolicy_test: (?P<verdict>PASS|FAIL): max abs error (?P<error>\S+) (<=|>) max_error (?P<bound>\S+)"

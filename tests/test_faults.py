@@ -27,6 +27,8 @@ import tensorflow as tf
 from cli_helpers import REPO_ROOT, describe, leftovers, run_cli, tree_digest
 from tfpolicy.core import staging
 
+pytestmark = pytest.mark.slow  # runs the command line in a subprocess per case
+
 
 @pytest.fixture(scope="session")
 def model(tmp_path_factory) -> pathlib.Path:

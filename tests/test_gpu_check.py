@@ -16,6 +16,8 @@ import tensorflow as tf
 
 from cli_helpers import REPO_ROOT
 
+pytestmark = pytest.mark.slow  # runs the GPU check script's CPU smoke mode
+
 SCRIPT = REPO_ROOT / "tools" / "gpu_check.py"
 
 

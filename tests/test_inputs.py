@@ -1,4 +1,4 @@
-"""tfpolicy.validation.inputs: npz loading, signature checks, batching, generated inputs.
+"""tfpolicy.core.inputs: npz loading, signature checks, batching, generated inputs.
 
 Signatures come from real zoo SavedModels (``keras3_mlp``: features float32
 (None, 16); ``keras3_string_lookup``: words string (None, 6); ``tf_module``:
@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tfpolicy
 from tfpolicy.errors import InputDataError
-from tfpolicy.validation import inputs
+from tfpolicy.core import inputs
 
 
 @pytest.fixture(scope="module")

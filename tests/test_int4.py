@@ -22,6 +22,7 @@ from keras.quantizers import Int4QuantizationConfig
 from model_zoo import QUANT_BUILDERS
 
 
+
 def _embedding():
     tokens = keras.Input((5,), dtype="int32")
     x = keras.layers.Embedding(50, 13, name="embedding")(tokens)

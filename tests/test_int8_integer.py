@@ -22,6 +22,7 @@ from model_zoo import QUANT_BUILDERS, apply_policy_map_natively
 from tfpolicy.analysis import lowering
 from tfpolicy.passes import quant_variables
 
+
 MATMUL_OPS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
 
 

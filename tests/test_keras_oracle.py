@@ -15,6 +15,8 @@ import keras
 import tfpolicy
 from model_zoo import apply_policy_map_natively, run_signature
 
+pytestmark = pytest.mark.slow  # Keras applying every zoo map natively
+
 MIXED_MAP = {
     "default_policy": "mixed_bfloat16",
     "policy_map": {"mha/.*": "mixed_float16", "ffn_out": "float32", "ln_2": "mixed_float16"},

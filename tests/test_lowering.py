@@ -24,6 +24,8 @@ from tfpolicy.core import savedmodel_io
 from tfpolicy.core.tf_names import type_attr
 from tfpolicy.serving import device_kernels
 
+pytestmark = pytest.mark.slow  # rewrites and serves models in each lowering, in subprocesses
+
 VNNI = frozenset({"avx2", "avx512f", "avx512_vnni"})
 AVX2 = frozenset({"avx2", "fma"})
 
@@ -93,7 +95,7 @@ def test_default_output_computes_the_same_without_onednn(mlp):
 def test_target_cpu_without_onednn_falls_back_and_says_so(mlp, tmp_path):
     """--target cpu in a process without oneDNN writes the portable form, and the CLI's summary says why."""
     env_script = (f"import os, sys; os.environ['TF_ENABLE_ONEDNN_OPTS'] = '0'; sys.argv[0] = 'tfpolicy';"
-                  f" sys.path.insert(0, {str(REPO_ROOT)!r}); from tfpolicy.rewrite import run_main; run_main()")
+                  f" sys.path.insert(0, {str(REPO_ROOT)!r}); from tfpolicy.cli import run_main; run_main()")
     (tmp_path / "map.json").write_text(json.dumps({"default_policy": "int8_from_float32"}))
     result = subprocess.run(
         [sys.executable, "-c", env_script, "--map", str(tmp_path / "map.json"), "--target", "cpu",

@@ -21,6 +21,8 @@ from model_zoo import (
     run_signature,
 )
 
+pytestmark = pytest.mark.slow  # exports and loads every zoo model
+
 ZOO_NAMES = sorted(ALL_BUILDERS)
 
 

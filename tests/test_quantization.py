@@ -17,6 +17,8 @@ import keras
 import tfpolicy
 from model_zoo import apply_policy_map_natively, run_signature
 
+pytestmark = pytest.mark.slow  # quantized models against Keras, under XLA too
+
 INT8 = "int8_from_mixed_bfloat16"
 FLOAT8 = "float8_from_mixed_bfloat16"
 INT8_MAP = {

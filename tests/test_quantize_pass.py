@@ -142,20 +142,22 @@ def test_float8_site_and_its_calibration_update():
     graph, qplan, variables, quantize = _rewrite("float8", "float8_from_float32")
     (group,) = qplan.float8_groups.values()
     assert (group.prefix, group.history_length) == ("dense", 16)
-    result = quantize.run()
-    assert [str(t.tensor) for t in result.stats.taps] == ["x"]
+    quantize.run()
+    assert [str(t.tensor) for t in quantize.taps] == ["x"]
     matmul = graph.nodes["dense/MatMul"]
     for position in (0, 1):  # both operands go through float8 and back
         dequantize = graph.producer(TensorRef(matmul.inputs[position]))
         assert dequantize.op == "Mul"
     casts = [n for n in graph.nodes.values() if n.op == "Cast"]
     assert sum(n.attrs["DstT"].type == tf.dtypes.experimental.float8_e4m3fn.as_datatype_enum for n in casts) == 2
-    calibrated = CalibrationPass(quantize, lambda: result.stats.taps).run()
-    assert calibrated.modified and list(calibrated.stats) == ["dense/inputs_scale"]
+    calibrated = CalibrationPass("serving_default", graph, variables, quantize.taps).run()
+    assert calibrated.modified and list(calibrated.stats.outputs) == ["dense/inputs_scale"]
+    # The only placeholder calibration adds is its history's; the others are the quantize pass's.
+    assert calibrated.stats.new_captures == {"tfpolicy/dense/inputs_amax_history": "dense/inputs_amax_history"}
     assigns = sorted(n.name for n in graph.nodes.values() if n.op == "AssignVariableOp")
     assert assigns == ["tfpolicy/calibrate/dense/assign_history", "tfpolicy/calibrate/dense/assign_scale"]
     assert graph.verify() == []
-    # The calibration reads the variables through the quantize pass's placeholders: one each.
+    # The calibration finds the quantize pass's placeholders and reads in the graph: one each.
     placeholders = [n.name for n in graph.nodes.values() if n.name.startswith("tfpolicy/") and n.op == "Placeholder"]
     assert sorted(placeholders) == sorted(f"tfpolicy/dense/{k}" for k in ("inputs_scale", "kernel_scale", "inputs_amax_history"))
 

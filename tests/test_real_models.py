@@ -28,6 +28,8 @@ import realmodels  # noqa: E402
 
 import tfpolicy  # noqa: E402
 
+pytestmark = pytest.mark.slow  # builds keras_hub and keras.applications architectures
+
 FLOAT_BOUND = 1.1
 QUANTIZED_BOUND = 1.25
 # Every map on the transformers; the large CNNs (10-50 s a case on two cores)
@@ -107,8 +109,30 @@ def test_rewrites_with_defaults_as_faithfully_as_keras(real_zoo, tmp_path, name,
         print(f"{name} {which}: tfpolicy {e_tool:.3g}, Keras (convolutions in bfloat16) {e_keras:.3g}")
         assert e_keras <= e_tool < 0.1, (e_tool, e_keras)
         return
-    bound = FLOAT_BOUND if which in ("bf16", "mix") else QUANTIZED_BOUND
-    assert e_tool <= bound * e_keras, (e_tool, e_keras)
+    assert_error_like_kerass(e_tool, e_keras, FLOAT_BOUND if which in ("bf16", "mix") else QUANTIZED_BOUND)
+
+
+APPLIED_BOUND = 2.0
+"""The rewrite may be more accurate than Keras (a float32 island Keras rounds around: BERT under
+mixed_bfloat16 is 0.90x), but not by half: that is a map not (or only partly) applied."""
+
+
+def assert_error_like_kerass(e_tool: float, e_keras: float, bound: float) -> None:
+    """The rewrite's error against float32 is Keras's within ``bound`` above and :data:`APPLIED_BOUND`
+    below, which an output whose map was not (or only partly) applied would fall under."""
+    assert e_keras > 0, "Keras's own output equals float32's: the comparison says nothing"
+    assert e_keras / APPLIED_BOUND <= e_tool <= bound * e_keras, (e_tool, e_keras)
+
+
+@pytest.mark.parametrize("e_tool, fails", [(0.0, True), (0.0031, True), (0.012, True), (0.028, False), (0.032, False),
+                                            (0.04, True)])
+def test_the_comparison_fails_for_an_output_whose_map_was_not_applied(e_tool, fails):
+    """Unapplied (0), mostly unapplied (a tenth, under half of Keras's error), Keras's, and worse than the bound."""
+    if fails:
+        with pytest.raises(AssertionError):
+            assert_error_like_kerass(e_tool, 0.031, QUANTIZED_BOUND)
+    else:
+        assert_error_like_kerass(e_tool, 0.031, QUANTIZED_BOUND)
 
 
 @pytest.mark.parametrize("name", ["mobilenetv3small", "resnet50"])
@@ -132,7 +156,7 @@ def test_bert_under_mixed_float16_with_a_padding_mask_stays_finite(real_zoo, tmp
     y_tool = realmodels.run_saved_model(tmp_path / "out", model.inputs)
     assert all(np.isfinite(v).all() for v in y_tool.values())
     e_keras = realmodels.relative_error(realmodels.keras_native(model, plain), y_ref)
-    assert realmodels.relative_error(y_tool, y_ref) <= FLOAT_BOUND * e_keras
+    assert_error_like_kerass(realmodels.relative_error(y_tool, y_ref), e_keras, FLOAT_BOUND)
 
 
 def test_llama_keeps_rmsnorm_and_rotary_in_float32(real_zoo):

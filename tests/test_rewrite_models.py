@@ -21,6 +21,8 @@ from tensorflow.core.protobuf import saved_model_pb2
 import tfpolicy
 from model_zoo import ALL_BUILDERS, run_signature
 
+pytestmark = pytest.mark.slow  # every zoo model through both loaders
+
 MODELS = sorted(ALL_BUILDERS)
 BF16_MAP = {"default_policy": "mixed_bfloat16"}
 MATMUL_LIKE = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D"}

@@ -22,8 +22,10 @@ import tensorflow as tf
 from tensorflow_serving.apis import prediction_log_pb2
 
 from tfpolicy.errors import InputDataError, OutputError
-from tfpolicy.serving import export as serving
+from tfpolicy import serving_export as serving
 from cli_helpers import REPO_ROOT, describe, leftovers, run_cli, tree_digest
+
+pytestmark = pytest.mark.slow  # exports and serves versions through the TF1 loader
 
 MAP = {"default_policy": "mixed_bfloat16", "policy_map": {"head": "float32"}}
 WARMUP_ROWS = 3
@@ -159,7 +161,7 @@ def test_base_that_is_a_file_or_a_saved_model_is_refused(mlp, tmp_path):
 
 
 _EXPORT_SCRIPT = """
-import sys, tfpolicy.serving.export as s
+import sys, tfpolicy.serving_export as s
 s.export(sys.argv[1], sys.argv[2], {"default_policy": "mixed_bfloat16"})
 """
 
@@ -189,8 +191,9 @@ def test_killed_export_leaves_no_version_directory(mlp, tmp_path):
     assert killed_while, "the export finished before any file was seen being written"
     assert process.returncode == -signal.SIGKILL
     assert versions(base) == [], f"killed while writing {killed_while}"
-    # The next export is version 1: the hidden staging leftover is not a version.
+    # The next export is version 1: the hidden staging leftover is not a version, and it removes it.
     assert serving.export(mlp.saved_model_dir, base, MAP, serving_checks=False) == base / "1"
+    assert [p.name for p in base.iterdir()] == ["1"]
 
 
 # ---------------------------------------------------------------------------
@@ -219,9 +222,9 @@ def test_cli_serving_base_exports_next_version_with_warmup(mlp, tmp_path, warmup
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--serving_base", "base", "--version", "1"], "version 1 already exists"),
-        (["--serving_base", "base", "--version", "-3"], "--version must be a non-negative integer"),
-        (["--version", "3"], "--version needs --serving_base"),
+        (["--serving_base", "base", "--serving_version", "1"], "version 1 already exists"),
+        (["--serving_base", "base", "--serving_version", "-3"], "--serving_version must be a non-negative integer"),
+        (["--serving_version", "3"], "--serving_version needs --serving_base"),
         (["--serving_base", "base", "--warmup_data", "absent.npz"], "warmup examples 'absent.npz' does not exist"),
         (["--serving_base", "base", "--overwrite"], "--overwrite does not apply to --serving_base"),
     ],
@@ -237,6 +240,17 @@ def test_cli_serving_user_errors_exit_2_with_one_line_and_write_nothing(mlp, tmp
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tfpolicy: error: ") and expected in lines[0], describe(result)
     assert tree_digest(tmp_path) == before
+
+
+def test_version_prints_the_program_version_and_the_old_serving_spelling_still_works(mlp, tmp_path):
+    import tfpolicy  # noqa: PLC0415
+
+    result = run_cli(["--version"], tmp_path)
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"tfpolicy {tfpolicy.__version__}\n", ""), describe(result)
+    result = run_cli(["--map", _write_map(tmp_path), "--serving_base", "base", "--version", "7", "--noserving_checks",
+                      str(mlp.saved_model_dir)], tmp_path)
+    assert result.returncode == 0 and versions(tmp_path / "base") == ["7"], describe(result)
+    assert "warning: --version 7 is deprecated" in result.stderr and "use --serving_version 7" in result.stderr
 
 
 def test_cli_serving_base_with_output_is_refused(mlp, tmp_path):

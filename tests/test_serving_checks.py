@@ -19,6 +19,8 @@ from tfpolicy.errors import ServingCheckError, TargetError
 from tfpolicy.serving import checks as serving_checks
 from cli_helpers import describe, run_cli, tree_digest
 
+pytestmark = pytest.mark.slow  # the serving checks on zoo models
+
 BF16 = {"default_policy": "mixed_bfloat16"}
 
 
@@ -31,7 +33,8 @@ def test_rewrite_runs_both_checks_and_reports_them(zoo, tmp_path):
         ("serving_default", True, True),
     ]
     document = json.loads(json.dumps(report.to_json()))["serving_checks"]
-    assert document["tf1_loader"] is True and document["xla"] is True and document["tf1_seconds"] >= 0
+    assert document["tf1_loader"] is True and document["xla"] is True
+    assert 0 < document["tf1_seconds"] < 60, document  # measured, and of a small model
     assert "TF1 session loader ran 2 signature(s)" in checks.summary()
 
 
@@ -156,7 +159,7 @@ def test_xla_check_lowers_functions_whose_variables_have_no_value_yet(zoo, monke
         outcomes = xla.outcomes()
     assert outcomes == {"alias": (True, (), ""), "serving_default": (True, (), "")}
     assert prepared == ["alias"]  # one function object, lowered once
-    assert xla.seconds > 0
+    assert 0 < xla.seconds < 60, xla.seconds  # measured, once
     assert not any(v.is_initialized() for v in variables)
 
 

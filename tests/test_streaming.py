@@ -26,6 +26,8 @@ from tfpolicy.errors import SavedModelError
 
 from model_zoo import run_signature
 
+pytestmark = pytest.mark.slow  # measures peak memory on a large model in a fresh process
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 

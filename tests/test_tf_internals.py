@@ -217,3 +217,96 @@ def test_only_tf_internals_imports_private_tensorflow_and_no_pass_imports_protob
     protobuf_in_passes = {p.name: sorted(m for m in _imports(p) if m.endswith("_pb2"))
                           for p in (PACKAGE / "passes").glob("*.py")}
     assert not any(protobuf_in_passes.values()), protobuf_in_passes
+
+
+def test_only_keras_internals_imports_private_keras_and_the_built_at_init_list_is_kerass():
+    modules = sorted(PACKAGE.rglob("*.py"))
+    private = {p.relative_to(PACKAGE).as_posix() for p in modules if any(m.startswith("keras.src") for m in _imports(p))}
+    assert private == {"core/keras_internals.py"}
+    readers = {p.relative_to(PACKAGE).as_posix() for p in modules if "getsource" in p.read_text()}
+    assert readers == {"core/keras_internals.py"}
+    from tfpolicy.core import keras_internals  # noqa: PLC0415
+
+    # The list read from Keras's source is the one pinned for installs without it.
+    assert keras_internals.layers_built_at_init() == keras_internals.KERAS_3_15_BUILT_AT_INIT
+    assert {"dropout", "activation"} <= keras_internals.KERAS_3_15_BUILT_AT_INIT
+    assert keras_internals.to_snake_case("MultiHeadAttention") == "multi_head_attention"
+
+
+# Bottom to top: a module may import from its own floor and those below, never above.
+FLOORS = (
+    ("errors", "quiet"),
+    ("core",),
+    ("analysis",),
+    ("passes",),
+    ("validation", "serving", "report"),
+    ("api",),
+    ("serving_export",),
+    ("cli", "rewrite", "__main__"),
+)
+
+
+def _floor(module: str) -> int:
+    """The floor of ``tfpolicy.<part>...`` (the package itself, with its lazy API names, is above every floor)."""
+    part = module.split(".")[1] if "." in module else ""
+    for level, names in enumerate(FLOORS):
+        if part in names:
+            return level
+    return len(FLOORS)
+
+
+def _tfpolicy_imports(path: pathlib.Path, submodules: set[str]) -> set[str]:
+    """The tfpolicy modules ``path`` imports; ``tfpolicy`` itself for the package's lazy API names."""
+    import ast  # noqa: PLC0415
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update("tfpolicy" if a.name == "tfpolicy" else a.name for a in node.names if a.name.startswith("tfpolicy"))
+        elif isinstance(node, ast.ImportFrom) and node.module == "tfpolicy":
+            for alias in node.names:
+                name = f"tfpolicy.{alias.name}"
+                if name in submodules:
+                    found.add(name)
+                elif alias.name != "__version__":
+                    found.add("tfpolicy")  # a lazy API name: the API
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tfpolicy."):
+            found.add(node.module)
+    return found
+
+
+def test_no_module_imports_from_a_floor_above_it():
+    """Through the package's lazy names too: ``import tfpolicy`` / ``from tfpolicy import rewrite`` reach the API."""
+    submodules = set()
+    for p in PACKAGE.rglob("*.py"):
+        name = p.relative_to(PACKAGE.parent).with_suffix("").as_posix().replace("/", ".")
+        submodules.add(name[: -len(".__init__")] if name.endswith(".__init__") else name)
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == PACKAGE:
+            continue
+        module = path.relative_to(PACKAGE.parent).with_suffix("").as_posix().replace("/", ".")
+        for imported in _tfpolicy_imports(path, submodules):
+            if _floor(imported) > _floor(module):
+                upward.append(f"{module} -> {imported}")
+    assert not upward, upward
+
+
+def test_every_warning_is_logged_through_a_tfpolicy_logger_which_strict_sees():
+    """--strict refuses every warning the rewrite logs (api.StrictWarnings listens on the 'tfpolicy' logger):
+    so each warning site must log through a module logger of the package, not print or warn by other means."""
+    import ast  # noqa: PLC0415
+
+    sites = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        has_module_logger = "logger = logging.getLogger(__name__)" in path.read_text()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "warning":
+                owner = ast.unparse(node.func.value)
+                sites.append((path.relative_to(PACKAGE).as_posix(), node.lineno, owner, has_module_logger))
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("warnings.warn", "print"):
+                assert path.name == "cli.py", f"{path.name}:{node.lineno} reports outside the logger"
+    assert len(sites) >= 8
+    stray = [s for s in sites if s[2] != "logger" or not s[3]]
+    assert not stray, stray

@@ -197,15 +197,39 @@ def test_verify_finds_each_kind_of_broken_graph():
     assert graph.verify() == ["'relu' input 0 reads 'x:1', which has 1 outputs"]
 
 
+class _Step:
+    """A pass in the :class:`tfpolicy.passes.Pass` shape, doing what it is told."""
+
+    def __init__(self, name: str, graph, edit=None) -> None:
+        self.name, self.graph, self.edit = name, graph, edit
+
+    def run(self):
+        from tfpolicy.passes import PassResult  # noqa: PLC0415
+
+        if self.edit is not None:
+            self.edit()
+        return PassResult(modified=self.edit is not None, stats=self.name.upper())
+
+
 def test_the_pass_manager_names_the_pass_that_broke_an_edge():
     from tfpolicy.errors import PassError  # noqa: PLC0415
-    from tfpolicy.passes import PassResult, run_passes  # noqa: PLC0415
+    from tfpolicy.passes import PassManager  # noqa: PLC0415
 
     graph = _relu_graph()
 
-    def retype_without_cast() -> PassResult:
+    def retype_without_cast() -> None:
         graph.nodes["relu"].attrs["T"] = _type(BF16)
-        return PassResult(modified=True)
 
     with pytest.raises(PassError, match=r"pass 'careless\[tiny\]' failed: left graph 'tiny' broken: edge 'x' -> 'relu'"):
-        run_passes([("fine", graph, lambda: PassResult(modified=False)), ("careless[tiny]", graph, retype_without_cast)])
+        PassManager([_Step("fine", graph), _Step("careless[tiny]", graph, retype_without_cast)]).run()
+
+
+def test_the_pass_manager_gives_results_by_name_wherever_a_pass_is_added():
+    from tfpolicy.passes import PassManager  # noqa: PLC0415
+
+    graph = _relu_graph()
+    results = PassManager([_Step("a", graph), _Step("b", graph)]).run()
+    more = PassManager([_Step("first", graph), _Step("a", graph), _Step("b", graph)]).run()
+    assert results["b"].stats == more["b"].stats == "B" and not results["a"].modified
+    with pytest.raises(ValueError, match="unique"):
+        PassManager([_Step("a", graph), _Step("a", graph)])

@@ -20,6 +20,8 @@ from tfpolicy.errors import InputDataError
 from tfpolicy.validation import html_report
 from cli_helpers import describe, run_cli, tree_digest
 
+pytestmark = pytest.mark.slow  # runs models before and after, layer by layer
+
 
 UPSTREAM_OF_FFN_IN = ("mha/query", "mha/key", "mha/value", "mha", "mha/attention_output", "add_1", "ln_1")
 

@@ -31,6 +31,8 @@ _EXPORTS = {
     "ServingCheckError": "tfpolicy.errors",
     "ValidationError": "tfpolicy.errors",
     "validate": "tfpolicy.validation.compare",
+    "export": "tfpolicy.serving_export",
+    "export_with_report": "tfpolicy.serving_export",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -21,15 +21,16 @@ from tfpolicy.analysis.plan import Plan
 from tfpolicy.analysis.plan import plan as make_plan
 from tfpolicy.analysis.policy_map import PolicyMap, PolicyMapSource
 from tfpolicy.core import assemble, checkpoints, paths, savedmodel_io, savedmodel_save, tf_names
+from tfpolicy.core.assemble import NewVariable
 from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
-from tfpolicy.passes import run_passes
+from tfpolicy.passes import PassManager
 from tfpolicy.passes.calibration import CalibrationPass
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
-from tfpolicy.passes.quantize import NewVariable, QuantizePass, build_variables
+from tfpolicy.passes.quant_variables import build_variables
+from tfpolicy.passes.quantize import CalibrationTaps, QuantizePass
 from tfpolicy.report import Report, SignatureReport, quantization_rows
 from tfpolicy.serving import checks as serving
-from tfpolicy.serving.checks import check_target, check_target_name
-from tfpolicy.validation import inputs
+from tfpolicy.core import inputs
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,11 @@ def explain(
     int8_convolutions: bool = False,
 ) -> Report:
     """Everything :func:`rewrite` would do, without writing anything."""
-    check_target_name(target)
-    return _run(pathlib.Path(input_dir), None, policy_map, signatures, strict, target, int8_convolutions).report
+    lowering.check_target_name(target)
+    with StrictWarnings(strict) as warned:
+        report = _run(pathlib.Path(input_dir), None, policy_map, signatures, target, int8_convolutions).report
+        warned.check()
+    return report
 
 
 def rewrite(
@@ -96,11 +100,20 @@ def rewrite(
     before anything is written. The input directory is never modified.
     """
     input_path, output_path = pathlib.Path(input_dir), pathlib.Path(output_dir)
-    check_target_name(target)
+    lowering.check_target_name(target)
     paths.check_input_dir(input_path)
     paths.check_output_dir(input_path, output_path, overwrite)
     batches = _calibration_batches(calibration_data, calibration_batch_size, calibration_batches)
-    state = _run(input_path, output_path, policy_map, signatures, strict, target, int8_convolutions)
+    with StrictWarnings(strict) as warned:
+        return _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned, batches, calibration_data,
+                        calibration_progress, target, serving_checks, int8_convolutions)
+
+
+def _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned: StrictWarnings, batches,
+             calibration_data, calibration_progress, target, serving_checks, int8_convolutions) -> Report:
+    """:func:`rewrite` after its arguments are checked; ``warned.check()`` wherever --strict must stop it."""
+    state = _run(input_path, output_path, policy_map, signatures, target, int8_convolutions)
+    warned.check()
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
     built = assemble.assemble(
         state.model, state.variable_dtypes, state.new_variables, state.passes.new_captures, state.passes.calibration,
@@ -108,10 +121,11 @@ def rewrite(
     )
     report = state.report
     if state.qplan.float8_groups:
-        _calibrate(built, state, report, batches, calibration_progress, strict)
+        _calibrate(built, state, report, batches, calibration_progress)
     elif calibration_data is not None:
         report.warnings.append("calibration data given but no layer is float8; it was not used")
         logger.warning(report.warnings[-1])
+    warned.check()
     logger.info("saving to %s", output_path)
 
     check_data = {state.passes.calibration[0]: batches.first} if batches and state.passes.calibration else None
@@ -121,15 +135,18 @@ def rewrite(
     with xla_check as xla:
 
         def check(staged: pathlib.Path) -> None:
-            report.serving_checks = serving.run(
-                staged, target=target, data=check_data, integer_limits=state.integer_limits,
-                input_dir=input_path, shown_as=output_path, xla=xla,
-                cpu_only_ops=frozenset({"QuantizedMatMulWithBias"}) if state.lowering.cpu_only else frozenset(),
-            )
+            if serving_checks:
+                logger.info("serving checks: loading the output as TF Serving does, and lowering it to XLA")
+                report.serving_checks = serving.run(
+                    staged, target=target, data=check_data, integer_limits=state.integer_limits,
+                    input_dir=input_path, shown_as=output_path, xla=xla,
+                    cpu_only_ops=frozenset({"QuantizedMatMulWithBias"}) if state.lowering.cpu_only else frozenset(),
+                )
+            warned.check()  # --strict has the last word, before the rename
 
         savedmodel_save.save_atomically(
             built.root, built.signatures, output_path, overwrite,
-            fill=checkpoints.ValueWriter(built.root, built.value_of), check=check if serving_checks else None
+            fill=checkpoints.ValueWriter(built.root, built.value_of), check=check
         )
     current = {name: variable.numpy() for name, variable in built.new_variables.items() if variable.is_initialized()}
     report.quantization = quantization_rows(state.qplan, state.passes.quantized, _scales(state.new_variables) | current,
@@ -137,6 +154,35 @@ def rewrite(
     report.output_bytes = _directory_bytes(output_path)
     logger.debug("wrote %s", output_path)
     return report
+
+
+class StrictWarnings(logging.Handler):
+    """Every warning tfpolicy logs while it runs (any ``tfpolicy.*`` logger), for ``--strict`` to refuse.
+
+    Under ``strict``, :meth:`check` raises :class:`StrictModeError` with the
+    first one; the rewrite checks after planning, after calibration and last
+    on the staged output, before the rename, so no warning comes after it.
+    """
+
+    def __init__(self, strict: bool) -> None:
+        super().__init__(logging.WARNING)
+        self.strict = strict
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno == logging.WARNING:
+            self.messages.append(record.getMessage())
+
+    def check(self) -> None:
+        if self.strict and self.messages:
+            raise StrictModeError(self.messages[0] + " (--strict)")
+
+    def __enter__(self) -> "StrictWarnings":
+        logging.getLogger("tfpolicy").addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        logging.getLogger("tfpolicy").removeHandler(self)
 
 
 @dataclasses.dataclass
@@ -154,7 +200,7 @@ class _State:
     lowering: lowering.Lowering
 
 
-def _run(input_path, output_path, policy_map, signatures, strict, target=None, int8_convolutions=False) -> _State:
+def _run(input_path, output_path, policy_map, signatures, target=None, int8_convolutions=False) -> _State:
     """Load, index, plan and run the passes."""
     policy = PolicyMap.load(policy_map)
     logger.info("loading %s", input_path)
@@ -163,7 +209,7 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None, i
     index = layer_index.build(model)
     outside = sum(1 for _ in index.nodes_of(None))
     the_plan = make_plan(policy, index, outside)
-    check_target(the_plan, target)
+    lowering.check_target(the_plan, target)
     _refuse_unsupported_modes(the_plan)
     qplan = quant_sites.analyze(model, index, the_plan, int8_convolutions)
     chosen = lowering.choose(target)
@@ -187,8 +233,6 @@ def _run(input_path, output_path, policy_map, signatures, strict, target=None, i
             f"{len(qplan.declined)} op(s) of quantized layers were declined and run in their source policy: "
             + "; ".join(f"{n} x {reason}" for reason, n in sorted(reasons.items()))
         )
-    if strict and warnings:
-        raise StrictModeError(warnings[0] + " (--strict)")
     for message in warnings:
         logger.warning(message)
     values_by_uid = {id(v): v for v in model.variables}
@@ -247,22 +291,24 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
     for program in model.signatures.values():
         logger.info("rewriting signature %s (%d ops, %d functions)", program.key, len(program.graph.nodes), len(program.functions))
         graphs = program.all_graphs()
-        steps = [(f"float_precision[{program.key}:{g.name}]", g,
-                  FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes).run) for g in graphs]
-        quantize = QuantizePass(program.key, program.graph, index, qplan, new_variables, lowering=chosen)
-        steps.append((f"quantize[{program.key}]", program.graph, quantize.run))
-        steps.extend((f"quantize[{program.key}:{g.name}]", g,
-                      QuantizePass(program.key, g, index, qplan, new_variables, constant_scales=True, lowering=chosen).run)
-                     for g in program.functions.values())
-        if program.key == calibration_target:
-            calibrate = CalibrationPass(quantize, lambda: quantize.result.taps)
-            steps.append((f"calibration[{program.key}]", program.graph, calibrate.run))
-        results = run_passes(steps)
-        float_results = list(zip(graphs, (r.stats for r in results[: len(graphs)])))
-        quantize_results = [r.stats for r in results[len(graphs) : len(graphs) + 1 + len(program.functions)]]
-        if program.key == calibration_target and results[-1].stats:
-            done.calibration = (program.key, results[-1].stats)
-        done.new_captures[program.key] = dict(quantize_results[0].new_captures)
+        float_passes = [FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes) for g in graphs]
+        taps = CalibrationTaps()
+        quantize_passes = [
+            QuantizePass(program.key, g, index, qplan, new_variables, constant_scales=g is not program.graph,
+                         lowering=chosen, taps=taps)
+            for g in (program.graph, *program.functions.values())
+        ]
+        calibration = (CalibrationPass(program.key, program.graph, new_variables, taps)
+                       if program.key == calibration_target else None)
+        results = PassManager([*float_passes, *quantize_passes, *([calibration] if calibration else [])]).run()
+        float_results = [(p.graph, results[p.name].stats) for p in float_passes]
+        quantize_results = [results[p.name].stats for p in quantize_passes]
+        captures = dict(quantize_results[0].new_captures)
+        if calibration is not None and results[calibration.name].modified:
+            calibrated = results[calibration.name].stats
+            captures.update(calibrated.new_captures)
+            done.calibration = (program.key, calibrated.outputs)
+        done.new_captures[program.key] = captures
         for layer, n in (item for q in quantize_results for item in q.quantized.items()):
             done.quantized[layer] = done.quantized.get(layer, 0) + n
         done.signature_reports.append(
@@ -338,8 +384,7 @@ def _calibration_batches(data, batch_size: int, max_batches: Optional[int]) -> O
     return inputs.BatchStream(data, what="calibration data", batch_size=batch_size, max_batches=max_batches)
 
 
-def _calibrate(built, state: _State, report: Report, batches: Optional[inputs.BatchStream], progress,
-               strict: bool = False) -> None:
+def _calibrate(built, state: _State, report: Report, batches: Optional[inputs.BatchStream], progress) -> None:
     groups = sorted(g.prefix for g in state.qplan.float8_groups.values())
     if batches is None:
         report.warnings.append(
@@ -365,8 +410,6 @@ def _calibrate(built, state: _State, report: Report, batches: Optional[inputs.Ba
             f"calibration data holds {non_finite.describe()}: the float8 input scales of the batches that hold them"
             " are NaN or lost (a NaN amax leaves scale 1); remove those rows"
         )
-        if strict:
-            raise StrictModeError(report.warnings[-1] + " (--strict)")
         logger.warning(report.warnings[-1])
 
 

@@ -76,6 +76,23 @@ class PassError(Exception):
         self.pass_name = pass_name
 
 
+def exception_line(exc: BaseException) -> str:
+    """An exception as one line: :func:`cause_line` of its message, or its type's name when it has none."""
+    text = str(exc).strip()
+    return cause_line(text) if text else type(exc).__name__
+
+
+MAX_LINE = 400
+
+
+def one_line(exc_or_text: object) -> str:
+    """Any text (a Keras message over several lines) squeezed onto one line, cut at :data:`MAX_LINE`."""
+    text = " ".join(str(exc_or_text).split())
+    if len(text) > MAX_LINE:
+        text = text[: MAX_LINE - 3] + "..."
+    return text
+
+
 _BOILERPLATE = ("Graph execution error", "Detected at node", "Exception encountered when calling", "Stack trace",
                 "<stack traces unavailable>")
 

@@ -11,10 +11,9 @@ import json
 import pathlib
 from typing import Any, Mapping, Optional
 
-from tfpolicy.analysis.plan import LayerPlan, Plan
+from tfpolicy.analysis.plan import OUTSIDE_LAYERS, LayerPlan, Plan
 from tfpolicy.analysis.quant_sites import QuantPlan
 
-OUTSIDE = "(outside every layer)"
 
 
 @dataclasses.dataclass
@@ -194,7 +193,7 @@ class Report:
         header = ("layer path", "matched key", "policy", "ops", "vars", "change")
         rows = [
             (
-                row.path if row.path is not None else OUTSIDE,
+                row.path if row.path is not None else OUTSIDE_LAYERS,
                 row.key if row.key is not None else "(default)",
                 row.policy,
                 str(row.op_count),

@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import inspect
 import logging
 import re
 from typing import Iterable, Optional
 
 import tensorflow as tf
 
-from tfpolicy.core import tf_names
+from tfpolicy.core import keras_internals, tf_names
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.savedmodel_io import LoadedModel, SignatureProgram
 from tfpolicy.core.tf_names import TensorRef
@@ -301,33 +299,9 @@ TF_OP_LAYER_PREFIX = "tf."
 _TRAILING_NUMBERS = re.compile(r"(_\d+)+$")
 
 
-@functools.lru_cache(maxsize=None)
 def pathless_layer_names() -> frozenset[str]:
-    """Default names (``dropout``, ``activation``) of the Keras layers that never get a path.
-
-    Keras marks these built in ``__init__`` (``_build_at_init()``, or
-    ``self.built = True``), so the ``build`` wrapper that sets ``layer.path``
-    never runs. Read from Keras's own classes, so that the list follows Keras.
-    """
-    import keras  # noqa: PLC0415
-    from keras.src.utils.naming import to_snake_case  # noqa: PLC0415  (Keras's default-name rule)
-
-    names = set()
-    for attribute in dir(keras.layers):
-        cls = getattr(keras.layers, attribute)
-        if not (isinstance(cls, type) and issubclass(cls, keras.layers.Layer)):
-            continue
-        for klass in cls.__mro__:
-            if klass is keras.layers.Layer or "build" in vars(klass):
-                break  # a build() of its own: Keras builds it, and it gets a path
-            try:
-                source = inspect.getsource(vars(klass)["__init__"]) if "__init__" in vars(klass) else ""
-            except (OSError, TypeError):
-                continue
-            if "_build_at_init()" in source or "self.built = True" in source:
-                names.add(to_snake_case(cls.__name__))
-                break
-    return frozenset(names)
+    """Default names (``dropout``, ``activation``) of the Keras layers that never get a path (see keras_internals)."""
+    return keras_internals.layers_built_at_init()
 
 
 def _layer_for(node: Node, scopes, caller_layer, model_prefixes, known, graph: Graph) -> Optional[str]:

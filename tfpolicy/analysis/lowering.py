@@ -45,9 +45,11 @@ import functools
 import os
 import pathlib
 import platform
-from typing import Optional
+from typing import Any, Optional
 
+from tfpolicy.analysis.plan import OUTSIDE_LAYERS, Plan
 from tfpolicy.core import tf_internals
+from tfpolicy.errors import TargetError
 
 INT8_FORMS = ("integer", "float", "onednn")
 EXACT_INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
@@ -166,3 +168,47 @@ def choose(target: Optional[str], machine: Optional[Machine] = None) -> Lowering
                         " AVX-VNNI or AMX-INT8, and its int8 signatures do not compile under XLA")
     return Lowering(target, "float", False,
                     f"--target cpu: int8 matmuls multiply their int8 values exactly in float32, because {why}")
+
+
+# ---------------------------------------------------------------------------
+# What a target refuses (a plan rule, before any rewrite)
+# ---------------------------------------------------------------------------
+
+TARGETS = ("gpu", "tpu", "cpu")
+# dtype -> why a TPU refuses it. Keras policy names that produce each dtype are
+# listed in the message; bfloat16 is what TPUs compute in.
+_TPU_REFUSED = {
+    "float16": "TPUs have no float16 arithmetic",
+    "float64": "TPUs have no float64 arithmetic",
+    "float8": "TPUs have no float8 matrix units",
+}
+
+def check_target_name(target: Optional[str]) -> None:
+    if target is not None and target not in TARGETS:
+        raise TargetError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
+
+
+def check_target(plan: Plan, target: Optional[str]) -> None:
+    """Refuse a plan whose dtypes ``target`` cannot run (TPU: float16, float8, float64)."""
+    check_target_name(target)
+    if target != "tpu":
+        return
+    for dtype, reason in _TPU_REFUSED.items():
+        layers = [
+            layer for layer in plan.rows()
+            if (layer.op_count or layer.variable_count) and dtype in _dtypes_of(layer)
+        ]
+        if layers:
+            names = ", ".join(layer.path or OUTSIDE_LAYERS for layer in layers[:5])
+            more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
+            raise TargetError(
+                f"--target tpu: policy '{layers[0].policy}' (layers: {names}{more}) uses {dtype}, and {reason};"
+                " use bfloat16 instead (mixed_bfloat16 or bfloat16)"
+            )
+
+
+def _dtypes_of(layer: Any) -> set[str]:
+    found = {layer.compute_dtype, layer.variable_dtype}
+    if layer.quantization_mode and "float8" in layer.quantization_mode:
+        found.add("float8")
+    return found

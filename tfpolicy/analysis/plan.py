@@ -15,6 +15,9 @@ from tfpolicy.analysis.policy_map import PolicyMap, describe_policy
 from tfpolicy.core import tf_names
 from tfpolicy.core.tf_names import DT_BFLOAT16, DT_DOUBLE, DT_FLOAT, DT_HALF, DT_INVALID
 
+OUTSIDE_LAYERS = "(outside every layer)"
+"""How tables and messages show ``path=None``: the ops no layer owns."""
+
 _DTYPE_ENUMS = {
     "float32": DT_FLOAT,
     "float64": DT_DOUBLE,

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 import keras
 
-from tfpolicy.errors import PolicyMapError
+from tfpolicy.errors import PolicyMapError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ _PLAIN_TOP_KEYS = ("default_policy", "policy_map")
 _KERAS_TOP_KEYS = ("module", "class_name", "config", "registered_name")
 _KERAS_CONFIG_KEYS = ("default_policy", "policy_map")
 _NAME_FORM_KEYS = ("name", "amax_history_length")
-_MAX_KERAS_MESSAGE = 400
 # A position in the JSON document: the chain of object keys from the root
 # (None for an array element).
 JsonPath = Tuple[Optional[str], ...]
@@ -314,8 +313,3 @@ def keras_message(exc: Exception) -> str:
     return one_line(text)
 
 
-def one_line(exc_or_text: object) -> str:
-    text = " ".join(str(exc_or_text).split())
-    if len(text) > _MAX_KERAS_MESSAGE:
-        text = text[: _MAX_KERAS_MESSAGE - 3] + "..."
-    return text

@@ -45,7 +45,7 @@ import keras
 
 from tfpolicy.analysis import policy_json, regex_limit
 from tfpolicy.analysis.policy_json import JsonPath, describe_policy, is_quantized  # noqa: F401  (re-exported)
-from tfpolicy.errors import AmbiguousPathError, PolicyMapError
+from tfpolicy.errors import AmbiguousPathError, PolicyMapError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class PolicyMap:
                     text = handle.read()
             except (OSError, UnicodeDecodeError) as exc:
                 raise PolicyMapError(
-                    f"cannot read policy map {origin}: {policy_json.one_line(exc)}"
+                    f"cannot read policy map {origin}: {one_line(exc)}"
                 ) from exc
             return cls.from_json_text(text, origin=origin)
         raise PolicyMapError(
@@ -263,10 +263,6 @@ class PolicyMap:
     def items(self) -> tuple[tuple[str, DTypePolicy], ...]:
         """``(key, policy)`` pairs in insertion order."""
         return tuple(self._policies.items())
-
-    def key_line(self, key: str) -> Optional[int]:
-        """The line of ``key`` in the JSON text it was loaded from, if any."""
-        return self._key_lines.get(key)
 
     def __len__(self) -> int:
         return len(self._policies)

@@ -13,6 +13,9 @@ TensorFlow's private APIs live in :mod:`tfpolicy.core.tf_internals` alone.
     tf_names        TensorFlow's edge-name and dtype-attribute rules
     assemble        the output's root object: variables, signatures, tfpolicy.calibrate
     tf_internals    every tensorflow.python import, each with why
+    checkpoints     the output's variable values, written as the save runs
+    inputs          reading .npz / dict / tf.data inputs, checking them against a signature
+    keras_internals every private Keras piece, each with why
     paths           the input, output and report paths, checked before any work (no TensorFlow)
     staging         staging directories: stale ones removed, published by rename, interrupts held
 """

@@ -9,7 +9,7 @@ passes treat both kinds of graph alike.
 Consumers are never kept by hand: :meth:`Graph.uses` is derived from the inputs
 and recomputed after any edit.
 
-    g = Graph.from_...(...)
+    g = savedmodel_io.load(path).signatures["serving_default"].graph   # or Graph(name), then add_node
     cast = g.add_node("Cast", "dense/tfpolicy/Cast", [str(ref)], {...})
     g.replace_input(consumer, 0, TensorRef(cast.name))
 """

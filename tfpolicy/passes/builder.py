@@ -1,15 +1,15 @@
 """Building nodes in one graph, and reading the variables the rewrite adds.
 
-The quantize pass and the calibration pass share one :class:`GraphBuilder`
-per graph, so that a new variable gets one resource placeholder and one read
-per graph, whichever pass asks first::
+A new variable gets one resource placeholder and one read per graph, whichever
+pass asks first: they are named after the variable, so a builder finds what an
+earlier pass's builder added to the graph (the graph is what passes share)::
 
     builder.read("dense/kernel_scale")
         -> Placeholder "tfpolicy/dense/kernel_scale" (resource, its dtype and shape)
         -> ReadVariableOp "tfpolicy/dense/kernel_scale/read"
 
-``new_captures`` maps those placeholders to variable names; saving binds each
-to the new ``tf.Variable``.
+``new_captures`` maps the placeholders this builder added to variable names;
+saving binds each to the new ``tf.Variable``.
 """
 
 from __future__ import annotations
@@ -91,12 +91,16 @@ class GraphBuilder:
         In a called function (``constant_scales``), whose signature cannot take
         a new variable, an int8 scale (fixed by the weights) is a Const instead.
         """
-        if name not in self._reads and self.constant_scales:
-            value = self.variables[name].value
-            self._reads[name] = self.const(f"{CAPTURE_SCOPE}/{name}/value", value, self.variables[name].dtype)
-        if name not in self._reads:
+        if name in self._reads:
+            return self._reads[name]
+        constant, read = f"{CAPTURE_SCOPE}/{name}/value", f"{CAPTURE_SCOPE}/{name}/read"
+        if constant in self.graph.nodes or read in self.graph.nodes:  # an earlier pass's
+            self._reads[name] = TensorRef(constant if constant in self.graph.nodes else read)
+        elif self.constant_scales:
+            self._reads[name] = self.const(constant, self.variables[name].value, self.variables[name].dtype)
+        else:
             handle = self.handle(name)
-            node = self.graph.add_node("ReadVariableOp", f"{handle}/read", [handle], {"dtype": type_attr(self.variables[name].dtype)})
+            node = self.graph.add_node("ReadVariableOp", read, [handle], {"dtype": type_attr(self.variables[name].dtype)})
             self._reads[name] = TensorRef(node.name)
         return self._reads[name]
 
@@ -105,5 +109,6 @@ class GraphBuilder:
         key = (name, dtype)
         if key not in self._scales:
             ref = self.read(name)
-            self._scales[key] = self.cast(ref, dtype, f"{ref.node}/to_{tf.dtypes.as_dtype(dtype).name}")
+            cast = f"{ref.node}/to_{tf.dtypes.as_dtype(dtype).name}"
+            self._scales[key] = TensorRef(cast) if cast in self.graph.nodes else self.cast(ref, dtype, cast)
         return self._scales[key]

@@ -12,17 +12,20 @@ batch's input amax (``compute_float8_amax_history`` then
     outputs: {"<layer>/inputs_scale": scale'}
 
 Each assignment waits for the forward pass's read of the same variable.
-``tfpolicy.rewrite`` feeds it the calibration batches (see :mod:`tfpolicy.validation.inputs`).
-The pass runs after the quantize pass, on the same graph and
-:class:`~tfpolicy.passes.builder.GraphBuilder` (one read per variable), from
-the calibration taps the quantize pass reported.
+``tfpolicy.rewrite`` feeds it the calibration batches (see :mod:`tfpolicy.core.inputs`).
+The pass runs after the quantize pass, on the same graph (where its builder
+finds the variable reads the quantize pass added), from the
+:class:`~tfpolicy.passes.quantize.CalibrationTaps` the quantize pass filled.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+import dataclasses
+from typing import Iterable, Sequence
 
+from tfpolicy.core.assemble import NewVariable
+from tfpolicy.core.graph import Graph
 from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import type_attr as _type
@@ -33,21 +36,28 @@ from tfpolicy.passes.quant_variables import F32, FLOAT8_E4M3_MAX, INT32
 logger = logging.getLogger(__name__)
 
 
-class CalibrationPass:
-    """Add ``tfpolicy.calibrate``'s update ops for the float8 inputs ``taps()`` names.
+@dataclasses.dataclass
+class CalibrationResult:
+    """The calibrate function's outputs (the new input scale per group), and the placeholders the pass added.
 
-    ``stats`` of the result: the calibrate function's outputs (the new input
-    scale per group); the serving function never fetches them, so pruning
-    leaves it unchanged.
+    The serving function never fetches the outputs, so pruning leaves it unchanged.
     """
 
-    def __init__(self, builder: GraphBuilder, taps: Callable[[], Sequence]) -> None:
-        self.builder, self.taps = builder, taps
-        self.graph = builder.graph
+    outputs: dict[str, TensorRef]
+    new_captures: dict[str, str]
 
-    def run(self) -> PassResult:
-        outputs = add_calibration_outputs(self.builder, self.taps())
-        return PassResult(bool(outputs), stats=outputs)
+
+class CalibrationPass:
+    """Add ``tfpolicy.calibrate``'s update ops to ``graph`` for the float8 inputs in ``taps``."""
+
+    def __init__(self, signature: str, graph: Graph, variables: dict[str, NewVariable], taps: Iterable) -> None:
+        self.name = f"calibration[{signature}]"
+        self.graph, self.taps = graph, taps
+        self.builder = GraphBuilder(graph, variables)
+
+    def run(self) -> PassResult[CalibrationResult]:
+        outputs = add_calibration_outputs(self.builder, list(self.taps))
+        return PassResult(bool(outputs), stats=CalibrationResult(outputs, dict(self.builder.new_captures)))
 
 
 def add_calibration_outputs(qpass: GraphBuilder, taps: Sequence) -> dict[str, TensorRef]:

@@ -11,17 +11,37 @@ the dtype that reads it, clamped to float16's range::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import numpy as np
 import tensorflow as tf
 
 from tfpolicy.core import tf_names
-from tfpolicy.core.graph import Node
+from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.tf_names import DT_HALF, FLOAT_DTYPES, TensorRef, bool_attr, numpy_dtype, tensor_attr, type_attr
 from tfpolicy.passes.float_rules import FLOAT16_MAX, exact_cast
 
+if TYPE_CHECKING:
+    from tfpolicy.passes.float_precision import GraphStats
+
 
 class CastBuilder:
-    """The Cast and constant half of the float-precision pass (see the module doc)."""
+    """The Cast and constant half of the float-precision pass (see the module doc).
+
+    What it relies on, which the pass that mixes it in sets up (:meth:`_init_casts`
+    and its own graph, statistics and layer attribution):
+    """
+
+    graph: Graph
+    stats: "GraphStats"
+    _casts: dict[tuple[str, int], TensorRef]  # (tensor, dtype) -> its cast
+    _constant_copies: dict[str, list[str]]  # Const -> its converted copies
+
+    def _init_casts(self) -> None:
+        self._casts, self._constant_copies = {}, {}
+
+    def _layer(self, node: Node) -> Optional[str]:
+        raise NotImplementedError  # the pass's layer attribution
 
     def _cast(self, ref: TensorRef, want: int) -> TensorRef:
         """``ref`` as ``want``: a cached, reused or new Cast, never Cast(Cast(x))."""

@@ -99,24 +99,24 @@ class FloatPrecisionPass(CastBuilder):
         plan: Plan,
         variable_dtypes: dict[int, int],
     ) -> None:
+        self.name = f"float_precision[{signature}:{graph.name}]"
         self.signature = signature
         self.graph = graph
         self.index = index
         self.plan = plan
         self.variable_dtypes = variable_dtypes
         self.stats = GraphStats()
-        self._casts: dict[tuple[str, int], TensorRef] = {}
+        self._init_casts()
         self._position_math: frozenset[str] = frozenset()
         self._attention_softmax: dict[str, str] = {}  # chain op -> the product it scales
         self._entry_dtypes: dict[str, int] = {}  # normalisation layer -> the dtype its input came in
         self._promoted: set[str] = set()
-        self._constant_copies: dict[str, list[str]] = {}  # Const -> its converted copies
         self._normalization_layers: frozenset[Optional[str]] = frozenset()
         self._kept_means: dict[str, int] = {}  # Mean kept in float32 -> its layer's compute dtype
 
     # -- entry point -----------------------------------------------------------
 
-    def run(self) -> PassResult:
+    def run(self) -> PassResult[GraphStats]:
         """Retype the graph; ``stats`` is the :class:`GraphStats`."""
         graph = self.graph
         output_dtypes = {key: graph.tensor_dtype(ref) for key, ref in graph.outputs.items()}

@@ -22,13 +22,13 @@ from typing import Optional
 
 import numpy as np
 
-from tfpolicy.analysis.quant_sites import Int4Kernel, Site
+from tfpolicy.analysis.quant_sites import Int4Kernel, QuantPlan, Site
 from tfpolicy.core.graph import Node
 from tfpolicy.core.tf_names import DT_FLOAT, DT_HALF, DT_UINT8, DT_UINT16, TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import type_attr as _type
-from tfpolicy.passes.builder import CAPTURE_SCOPE
+from tfpolicy.passes.builder import CAPTURE_SCOPE, GraphBuilder
 from tfpolicy.passes.quant_variables import F32, INT8, INT32
 
 
@@ -53,11 +53,12 @@ def nibble_quad_table() -> np.ndarray:
     return np.ascontiguousarray(quads).view(np.float32).reshape(65536)
 
 
-class Int4Rewrites:
-    """The int4 half of the quantize pass (see the module doc)."""
+class Int4Rewrites(GraphBuilder):
+    """The int4 half of the quantize pass (see the module doc); the pass sets up what is declared here."""
 
-    _unpacked: dict[str, TensorRef]
-    _int8_consumers: set[str]
+    qplan: QuantPlan
+    _unpacked: dict[str, TensorRef]  # int4 kernel read -> its int8 values
+    _int8_consumers: set[str]  # nodes that read an int8 (or packed int4) kernel as such
 
     def _unpack_int4(self, packed: TensorRef, columns: int, base: str, shape: Optional[tuple[int, ...]] = None) -> TensorRef:
         """Keras's ``unpack_int4`` along the last axis: each byte's low nibble, then its high one, sign-extended.

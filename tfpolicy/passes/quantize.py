@@ -1,6 +1,7 @@
 """The quantization pass: int8 and float8 quantize-dequantize at each site.
 
-Runs after the float pass, on the top-level graph of each signature, from a
+Runs after the float pass, on each signature's graph and the functions it
+calls (While/If bodies included, where a site needs no new variable), from a
 frozen :class:`~tfpolicy.analysis.quant_sites.QuantPlan`. Every new op computes in the
 dtype its operand already has (the layer's compute dtype), as Keras's
 quantized layers do.
@@ -60,7 +61,6 @@ from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import string_attr as _str
 from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.passes import PassResult
-from tfpolicy.passes.builder import CAPTURE_SCOPE, GraphBuilder  # noqa: F401  (CAPTURE_SCOPE re-exported)
 from tfpolicy.passes.float8_rounding import clip_and_round_to_float8
 from tfpolicy.passes.int4 import Int4Rewrites
 from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the formulas' constants, the variables)
@@ -92,19 +92,38 @@ class CalibrationTap:
     tensor: TensorRef
 
 
+class CalibrationTaps:
+    """The float8 inputs whose amax calibration measures: the quantize pass adds them, the calibration pass
+    reads them (the artefact the two share, rather than each other)."""
+
+    def __init__(self) -> None:
+        self._taps: dict[tuple[str, str], CalibrationTap] = {}
+
+    def add(self, group: Float8Group, tensor: TensorRef) -> None:
+        self._taps.setdefault((group.prefix, str(tensor)), CalibrationTap(group, tensor))
+
+    def __iter__(self):
+        return iter(list(self._taps.values()))
+
+    def __len__(self) -> int:
+        return len(self._taps)
+
+
 @dataclasses.dataclass
 class QuantizeResult:
     quantized: dict[str, int] = dataclasses.field(default_factory=dict)  # layer -> ops
     new_captures: dict[str, str] = dataclasses.field(default_factory=dict)  # placeholder -> variable name
-    taps: list[CalibrationTap] = dataclasses.field(default_factory=list)
 
     @property
     def modified(self) -> bool:
         return bool(self.quantized)
 
 
-class QuantizePass(GraphBuilder, Int4Rewrites):
-    """Rewrite the sites of one signature's top-level graph."""
+class QuantizePass(Int4Rewrites):
+    """Rewrite the sites of one graph of a signature (its top-level graph, or a function it calls).
+
+    ``taps``, when given, collects the float8 inputs for the calibration pass.
+    """
 
     def __init__(
         self,
@@ -115,9 +134,12 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         variables: dict[str, NewVariable],
         constant_scales: bool = False,
         lowering: Optional[Lowering] = None,
+        taps: Optional[CalibrationTaps] = None,
     ) -> None:
         super().__init__(graph, variables, constant_scales)
+        self.name = f"quantize[{signature}:{graph.name}]"
         self.signature, self.index, self.qplan = signature, index, qplan
+        self.taps = taps if taps is not None else CalibrationTaps()
         self.lowering = lowering or choose_lowering(None)
         self.result = QuantizeResult(new_captures=self.new_captures)
         self._qdq: dict[tuple, TensorRef] = {}
@@ -125,9 +147,8 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
         self._token_forms: dict[tuple[str, str], TensorRef] = {}  # (integer values, form) -> int8/float32/quint8
         self._int8_consumers: set[str] = set()  # nodes that read an int8 (or packed int4) kernel as such
         self._unpacked: dict[str, TensorRef] = {}  # int4 kernel read -> its int8 values
-        self._taps: dict[tuple, CalibrationTap] = {}
 
-    def run(self) -> PassResult:
+    def run(self) -> PassResult[QuantizeResult]:
         """Rewrite every site of this graph; ``stats`` is the :class:`QuantizeResult`."""
         result = self._rewrite()
         return PassResult(result.modified, stats=result)
@@ -169,7 +190,6 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
             else:
                 self._float8(site)
             self.result.quantized[site.layer] = self.result.quantized.get(site.layer, 0) + 1
-        self.result.taps = list(self._taps.values())
         return self.result
 
     # -- variables -------------------------------------------------------------------
@@ -514,7 +534,7 @@ class QuantizePass(GraphBuilder, Int4Rewrites):
             if key not in self._qdq:
                 self._qdq[key] = self._float8_qdq(x, scale_name, f"{site.node}/tfpolicy/{kind}_float8")
                 if kind == "inputs":  # kernel scales come from the weights
-                    self._taps.setdefault((group.prefix, str(x)), CalibrationTap(group, x))
+                    self.taps.add(group, x)
             self.graph.replace_input(node, position, self._qdq[key])
 
     def _float8_qdq(self, x: TensorRef, scale_name: str, base: str) -> TensorRef:

@@ -10,9 +10,8 @@ The first is what TF Serving does at load time; a failure there is a
 is what TPU serving needs: each signature is lowered to XLA HLO the way
 ``jit_compile=True`` lowers it, and a signature XLA cannot compile is listed in the
 report with the ops it stumbled on, and is an error only for ``target="tpu"``.
-
-:func:`check_target` is the plan-level half of ``--target``: a TPU cannot run
-float16, float8 or float64, so a plan that uses them is refused before any work.
+(The plan-level half of ``--target``, what a TPU refuses before any work, is
+:func:`tfpolicy.analysis.lowering.check_target`.)
 """
 
 from __future__ import annotations
@@ -29,26 +28,17 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import tensorflow as tf
 
-from tfpolicy.analysis.plan import Plan
-from tfpolicy.core import savedmodel_io, tf_internals
+from tfpolicy.analysis.lowering import check_target_name
+from tfpolicy.core import inputs, savedmodel_io, tf_internals
+from tfpolicy.errors import ServingCheckError, cause_line
 from tfpolicy.serving import device_kernels
-from tfpolicy.errors import ServingCheckError, TargetError, cause_line
-from tfpolicy.validation import inputs
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("gpu", "tpu", "cpu")
 SERVE_TAG = "serve"
 CHECK_BATCH = 2
 """Batch size of the generated inputs the checks run on."""
 
-# dtype -> why a TPU refuses it. Keras policy names that produce each dtype are
-# listed in the message; bfloat16 is what TPUs compute in.
-_TPU_REFUSED = {
-    "float16": "TPUs have no float16 arithmetic",
-    "float64": "TPUs have no float64 arithmetic",
-    "float8": "TPUs have no float8 matrix units",
-}
 _UNSUPPORTED_OP = re.compile(r"(\w+) \(No registered '\w+' OpKernel for XLA_\w+ devices compatible with node \{\{node ([^}]+)\}\}")
 
 
@@ -108,37 +98,6 @@ def _xla_phrase(check: SignatureCheck) -> str:
         return f"{check.signature} compiles"
     what = ", ".join(check.xla_unsupported) if check.xla_unsupported else check.xla_error
     return f"{check.signature} does not compile ({what})"
-
-
-def check_target_name(target: Optional[str]) -> None:
-    if target is not None and target not in TARGETS:
-        raise TargetError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
-
-
-def check_target(plan: Plan, target: Optional[str]) -> None:
-    """Refuse a plan whose dtypes ``target`` cannot run (TPU: float16, float8, float64)."""
-    check_target_name(target)
-    if target != "tpu":
-        return
-    for dtype, reason in _TPU_REFUSED.items():
-        layers = [
-            layer for layer in plan.rows()
-            if (layer.op_count or layer.variable_count) and dtype in _dtypes_of(layer)
-        ]
-        if layers:
-            names = ", ".join(layer.path or "(outside every layer)" for layer in layers[:5])
-            more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
-            raise TargetError(
-                f"--target tpu: policy '{layers[0].policy}' (layers: {names}{more}) uses {dtype}, and {reason};"
-                " use bfloat16 instead (mixed_bfloat16 or bfloat16)"
-            )
-
-
-def _dtypes_of(layer: Any) -> set[str]:
-    found = {layer.compute_dtype, layer.variable_dtype}
-    if layer.quantization_mode and "float8" in layer.quantization_mode:
-        found.add("float8")
-    return found
 
 
 def run(
@@ -371,12 +330,12 @@ def _run_tf1(
                 except tf.errors.OpError as exc:
                     raise ServingCheckError(
                         f"the TF1 session loader (TF Serving's) cannot run signature '{key}' of"
-                        f" '{shown_as or saved_model_dir}': {_first_line(exc.message)}"
+                        f" '{shown_as or saved_model_dir}': {cause_line(exc.message)}"
                     ) from exc
     except (tf.errors.OpError, RuntimeError, ValueError, OSError) as exc:
         raise ServingCheckError(
             f"the TF1 session loader (TF Serving's) cannot load '{shown_as or saved_model_dir}':"
-            f" {_first_line(str(exc))}"
+            f" {cause_line(str(exc))}"
         ) from exc
     return results, digests, meta_graph
 
@@ -451,7 +410,7 @@ def _failed(key: str, exc: Exception) -> XlaOutcome:
     message = getattr(exc, "message", str(exc))
     unsupported = tuple(dict.fromkeys(f"{op} ({node})" for op, node in _UNSUPPORTED_OP.findall(message)))
     logger.debug("XLA cannot compile %s: %s", key, message)
-    return False, unsupported, _first_line(message)
+    return False, unsupported, cause_line(message)
 
 
 class XlaCheck:
@@ -525,7 +484,3 @@ class XlaCheck:
         if self._thread.ident is not None:
             self._thread.join()
         self._prepared.clear()
-
-
-def _first_line(text: str) -> str:
-    return cause_line(text)

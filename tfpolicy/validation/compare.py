@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from tfpolicy.core import paths
 from tfpolicy.errors import InputDataError
-from tfpolicy.validation import inputs
+from tfpolicy.core import inputs
 from tfpolicy.validation.layer_errors import ErrorAccumulator, LayerStats, compare_layers, json_float
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def validate(
     """Compare the SavedModels at ``input_dir`` (float) and ``output_dir`` (rewritten).
 
     ``data`` is an npz path, a dict of arrays or an iterable of dicts (see
-    :func:`tfpolicy.validation.inputs.batches_from`). A signature whose input names are
+    :func:`tfpolicy.core.inputs.batches_from`). A signature whose input names are
     exactly the data's runs on it; every other signature (and all of them when
     ``data`` is None) runs on generated inputs. ``layers=False`` skips the
     per-layer comparison. Never raises for a large error: see

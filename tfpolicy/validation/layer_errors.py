@@ -33,6 +33,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 
 from tfpolicy.analysis import layer_index
+from tfpolicy.analysis.plan import OUTSIDE_LAYERS
 from tfpolicy.core import savedmodel_io, savedmodel_save, tf_internals
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.savedmodel_io import SignatureProgram
@@ -40,7 +41,6 @@ from tfpolicy.core.tf_names import FLOAT_DTYPES, TensorRef, parse_input
 
 logger = logging.getLogger(__name__)
 
-OUTSIDE = "(outside every layer)"
 FEED_PREFIX = "tfpolicy_feed"
 _SKIPPED_PRODUCERS = frozenset({"Placeholder", "Const", "VarHandleOp", "_Arg"})
 
@@ -132,7 +132,7 @@ class LayerStats:
 
     @property
     def label(self) -> str:
-        return self.layer if self.layer is not None else OUTSIDE
+        return self.layer if self.layer is not None else OUTSIDE_LAYERS
 
     def to_json(self) -> dict:
         return {

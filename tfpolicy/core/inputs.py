@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Union
 import numpy as np
 import tensorflow as tf
 
-from tfpolicy.errors import InputDataError
+from tfpolicy.errors import InputDataError, exception_line
 
 UNKNOWN_DIM = 8
 """Size :func:`generate_inputs` gives a ``None`` dimension other than the batch."""
@@ -54,7 +54,7 @@ def load_npz(path: Union[str, "os.PathLike[str]"], *, what: str = "validation da
     try:
         loaded = np.load(file, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise InputDataError(f"{label} is not a readable .npz file: {_first_line(exc)}") from exc
+        raise InputDataError(f"{label} is not a readable .npz file: {exception_line(exc)}") from exc
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise InputDataError(f"{label} is a single .npy array; save named arrays with numpy.savez(path, name=array)")
     arrays: dict[str, np.ndarray] = {}
@@ -70,7 +70,7 @@ def load_npz(path: Union[str, "os.PathLike[str]"], *, what: str = "validation da
                     " store strings as bytes, e.g. numpy.array(values, dtype='S')"
                 ) from exc
             except (OSError, zipfile.BadZipFile, EOFError) as exc:
-                raise InputDataError(f"{label}: array '{name}' cannot be read: {_first_line(exc)}") from exc
+                raise InputDataError(f"{label}: array '{name}' cannot be read: {exception_line(exc)}") from exc
             arrays[name] = _normalized(array, f"{label}: array '{name}'")
     try:
         batch_rows(arrays)
@@ -400,8 +400,3 @@ def _dtype_text(dtype: np.dtype) -> str:
     if dtype.kind == "U":
         return "unicode string"
     return dtype.name
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -28,16 +28,17 @@ import dataclasses
 import logging
 import os
 import pathlib
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 
+from tfpolicy import api
 from tfpolicy.analysis.policy_map import PolicyMapSource
-from tfpolicy.core import paths, staging
+from tfpolicy.core import inputs, paths, staging
 from tfpolicy.errors import InputDataError, MissingDependencyError, OutputError, ValidationError
 from tfpolicy.report import Report
-from tfpolicy.validation import inputs
+from tfpolicy.validation import compare
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def export_with_report(
     target: Optional[str] = None,
     serving_checks: bool = True,
     calibration_batches: Optional[int] = None,
+    calibration_progress: Optional[Callable[[int, int], None]] = None,
     validate: bool = False,
     validation_data: Optional[inputs.InputSource] = None,
     max_error: Optional[float] = None,
@@ -113,8 +115,6 @@ def export_with_report(
     A validation error above ``max_error`` raises
     :class:`~tfpolicy.errors.ValidationError` and publishes nothing.
     """
-    import tfpolicy  # noqa: PLC0415  (the package's lazy API)
-
     input_path, base = pathlib.Path(input_dir), pathlib.Path(export_base)
     paths.check_input_dir(input_path)
     _check_base(input_path, base)
@@ -131,7 +131,9 @@ def export_with_report(
             options["calibration_data"] = calibration_data
         if calibration_batches is not None:
             options["calibration_batches"] = calibration_batches
-        report = tfpolicy.rewrite(
+        if calibration_progress is not None:
+            options["calibration_progress"] = calibration_progress
+        report = api.rewrite(
             input_path, staged, policy_map, signatures=signatures, strict=strict, target=target,
             serving_checks=serving_checks, int8_convolutions=int8_convolutions, **options,
         )
@@ -140,7 +142,7 @@ def export_with_report(
         validation = None
         if validate:
             data = validation_data if validation_data is not None else calibration_data
-            validation = tfpolicy.validate(input_path, staged, data=data, signatures=signatures, max_error=max_error)
+            validation = compare.validate(input_path, staged, data=data, signatures=signatures, max_error=max_error)
             if not validation.passed:
                 raise ValidationError(validation.failure_line() + f"; version {chosen} not published", validation, report)
         final = base / str(chosen)
