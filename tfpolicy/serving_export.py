@@ -60,35 +60,19 @@ class ExportResult:
     validation: Optional[Any] = None  # validation.ValidationReport
 
 
-def export(
-    input_dir: PathLike,
-    export_base: PathLike,
-    policy_map: PolicyMapSource,
-    *,
-    version: Optional[int] = None,
-    calibration_data: Optional[Any] = None,
-    warmup_examples: Optional[inputs.InputSource] = None,
-    signatures: Optional[Sequence[str]] = None,
-    strict: bool = False,
-    target: Optional[str] = None,
-    serving_checks: bool = True,
-    int8_convolutions: bool = False,
-) -> pathlib.Path:
+def export(input_dir: PathLike, export_base: PathLike, policy_map: PolicyMapSource, **options: Any) -> pathlib.Path:
     """Rewrite ``input_dir`` with ``policy_map`` into ``export_base/<version>``; return that path.
 
-    ``version`` defaults to one more than the highest numeric subdirectory of
-    ``export_base`` (1 when there is none); an existing version is refused.
-    ``warmup_examples`` (an npz path, a dict of arrays or an iterable of dicts)
-    become ``assets.extra/tf_serving_warmup_requests``: an npz file or a dict
-    gives one request per row, an iterable one request per element.
-    ``calibration_data`` and ``int8_convolutions`` are passed on to
-    :func:`tfpolicy.rewrite` (and ``calibration_batches`` by :func:`export_with_report`).
+    ``options`` are :func:`export_with_report`'s: ``version`` defaults to one
+    more than the highest numeric subdirectory of ``export_base`` (1 when
+    there is none), and an existing version is refused; ``warmup_examples``
+    (an npz path, a dict of arrays or an iterable of dicts) become
+    ``assets.extra/tf_serving_warmup_requests``: an npz file or a dict gives
+    one request per row, an iterable one request per element; the others
+    (``calibration_data``, ``signatures``, ``strict``, ``target``,
+    ``serving_checks``, ``int8_convolutions``, ...) are :func:`tfpolicy.rewrite`'s.
     """
-    return export_with_report(
-        input_dir, export_base, policy_map, version=version, calibration_data=calibration_data,
-        warmup_examples=warmup_examples, signatures=signatures, strict=strict, target=target,
-        serving_checks=serving_checks, int8_convolutions=int8_convolutions,
-    ).path
+    return export_with_report(input_dir, export_base, policy_map, **options).path
 
 
 def export_with_report(
