@@ -182,8 +182,6 @@ def _check_flag_combinations(positional: list[str]) -> None:
 
 def main(argv: Sequence[str]) -> None:
     """The command: SIGINT and SIGTERM at any point end it with one line, nothing half-written left."""
-    for each in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(each, _on_interrupt)
     try:
         _main(argv)
     except (_Interrupted, KeyboardInterrupt):
@@ -464,4 +462,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 def run_main() -> None:
     """Entry point of ``python -m tfpolicy.rewrite``, ``python -m tfpolicy`` and the ``tfpolicy-rewrite`` script."""
-    app.run(main, flags_parser=_parse_flags)
+    for each in (signal.SIGINT, signal.SIGTERM):  # from the start: an interrupt while flags parse is one line too
+        signal.signal(each, _on_interrupt)
+    try:
+        app.run(main, flags_parser=_parse_flags)
+    except (_Interrupted, KeyboardInterrupt):
+        _report_interrupt(_received[0] if _received else signal.SIGINT)
