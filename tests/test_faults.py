@@ -56,7 +56,8 @@ def _error_line(result: subprocess.CompletedProcess, code: int = 2) -> str:
 
 def _env(tmpdir: pathlib.Path) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TMPDIR=str(tmpdir))
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    for unset in ("TF_CPP_MIN_LOG_LEVEL", "PYTHONDONTWRITEBYTECODE"):  # as a user's shell has them: unset
+        env.pop(unset, None)
     return env
 
 

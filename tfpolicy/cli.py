@@ -392,6 +392,9 @@ def _quiet_tensorflow() -> None:
         import tfpolicy.api  # noqa: F401, PLC0415  (pulls in keras and tf_keras)
 
         tf.config.list_physical_devices()
+    # Autograph loads the code it generates as modules from the temp directory and removes them at exit;
+    # their bytecode would stay there, in __pycache__ (the package's own is written by now).
+    sys.dont_write_bytecode = True
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
     tf.get_logger().setLevel(logging.ERROR)
 
