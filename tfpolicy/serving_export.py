@@ -144,6 +144,8 @@ def export_with_report(
         raise OutputError(line) from exc
     finally:
         staging.discard(staging_dir)
+        if base.is_dir():
+            staging.discard_mine(base, "export")  # also one an interrupt made before it was assigned
         if created_base and base.is_dir() and not any(base.iterdir()):
             base.rmdir()
 

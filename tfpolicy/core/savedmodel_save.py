@@ -215,8 +215,7 @@ def save_atomically(
     finally:
         if fill is not None:
             fill.cancel()
-        if tmp is not None and tmp.exists():
-            staging.discard(tmp)
+        staging.discard_mine(parent, "tmp", output_dir.name)  # tmp too, even if an interrupt beat its assignment
 
 
 def _save_graph_with_tf_saver(root: object, signatures: dict[str, object], saved_model_dir: pathlib.Path) -> None:

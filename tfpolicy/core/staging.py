@@ -169,6 +169,21 @@ def discard(path: Optional[pathlib.Path]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def discard_mine(parent: pathlib.Path, kind: str, name: str = "") -> None:
+    """Remove this process's staging directories of ``kind`` in ``parent``.
+
+    Also the one an interrupt made before its path was returned (between
+    ``mkdtemp`` and the caller's assignment): found by its owner tag.
+    """
+    prefix = f"{_prefix(kind, name)}{owner_tag()}-"
+    try:
+        entries = [p for p in parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return
+    for path in entries:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO)
 _DISK_HINTS = {
     errno.ENOSPC: "free some space or write elsewhere",
