@@ -105,7 +105,6 @@ def export_with_report(
     chosen = resolve_version(base, version)
     requests = _warmup_batches(warmup_examples) if warmup_examples is not None else []
     created_base = not base.exists()
-    staging_dir = None
     try:
         base.mkdir(exist_ok=True)
         staging_dir = staging.make(base, "export")
@@ -143,9 +142,8 @@ def export_with_report(
             raise
         raise OutputError(line) from exc
     finally:
-        staging.discard(staging_dir)
         if base.is_dir():
-            staging.discard_mine(base, "export")  # also one an interrupt made before it was assigned
+            staging.discard_mine(base, "export")  # staging_dir, or one an interrupt made before it was assigned
         if created_base and base.is_dir() and not any(base.iterdir()):
             base.rmdir()
 

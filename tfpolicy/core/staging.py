@@ -68,8 +68,7 @@ def make(parent: pathlib.Path, kind: str, name: str = "") -> pathlib.Path:
     remove_stale(parent, kind, name)
     if kind == "tmp":
         remove_stale(parent, "old", name)
-    prefix = f".{name}." if name else "."
-    return pathlib.Path(tempfile.mkdtemp(prefix=f"{prefix}tfpolicy-{kind}-{owner_tag()}-", dir=parent))
+    return pathlib.Path(tempfile.mkdtemp(prefix=f"{_prefix(kind, name)}{owner_tag()}-", dir=parent))
 
 
 def _prefix(kind: str, name: str) -> str:
@@ -161,12 +160,6 @@ def publish(staged: pathlib.Path, output: pathlib.Path, replace: bool) -> None:
         os.rename(staged, output)
         published.append(output)
     shutil.rmtree(trash, ignore_errors=True)
-
-
-def discard(path: Optional[pathlib.Path]) -> None:
-    """Remove a staging directory, whatever is in it."""
-    if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def discard_mine(parent: pathlib.Path, kind: str, name: str = "") -> None:
