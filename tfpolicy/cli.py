@@ -116,6 +116,7 @@ def _report_interrupt(signum: int) -> None:
     from tfpolicy.core import staging  # noqa: PLC0415
 
     name = signal.Signals(signum).name
+    staging.discard_all_mine()  # again: the interrupt may have cut a writer's own clean-up short
     if staging.published:
         what = f"after writing '{staging.published[-1]}', which is complete"
     else:

@@ -142,10 +142,11 @@ def export_with_report(
             raise
         raise OutputError(line) from exc
     finally:
-        if base.is_dir():
-            staging.discard_mine(base, "export")  # staging_dir, or one an interrupt made before it was assigned
-        if created_base and base.is_dir() and not any(base.iterdir()):
-            base.rmdir()
+        with staging.interrupts_held():  # an interrupt arriving now acts once the clean-up is done
+            if base.is_dir():
+                staging.discard_mine(base, "export")  # staging_dir, or one an interrupt made before it was assigned
+            if created_base and base.is_dir() and not any(base.iterdir()):
+                base.rmdir()
 
 
 def existing_versions(base: pathlib.Path) -> list[int]:

@@ -213,9 +213,10 @@ def save_atomically(
             raise
         raise OutputError(line) from exc
     finally:
-        if fill is not None:
-            fill.cancel()
-        staging.discard_mine(parent, "tmp", output_dir.name)  # tmp too, even if an interrupt beat its assignment
+        with staging.interrupts_held():  # an interrupt arriving now acts once the clean-up is done
+            if fill is not None:
+                fill.cancel()
+            staging.discard_mine(parent, "tmp", output_dir.name)  # tmp too, even if an interrupt beat its assignment
 
 
 def _save_graph_with_tf_saver(root: object, signatures: dict[str, object], saved_model_dir: pathlib.Path) -> None:

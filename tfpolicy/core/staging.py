@@ -41,6 +41,8 @@ STALE_SECONDS = 24 * 3600
 _INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 published: list[pathlib.Path] = []
 """Every directory :func:`publish` renamed into place in this process (the CLI's account of an interrupt)."""
+_made: set[tuple[pathlib.Path, str, str]] = set()
+"""Where this process made staging directories: ``(parent, kind, name)``, for :func:`discard_all_mine`."""
 
 
 def _host() -> str:
@@ -68,6 +70,7 @@ def make(parent: pathlib.Path, kind: str, name: str = "") -> pathlib.Path:
     remove_stale(parent, kind, name)
     if kind == "tmp":
         remove_stale(parent, "old", name)
+    _made.add((parent, kind, name))  # before mkdtemp: an interrupt may come before it returns
     return pathlib.Path(tempfile.mkdtemp(prefix=f"{_prefix(kind, name)}{owner_tag()}-", dir=parent))
 
 
@@ -128,15 +131,27 @@ def remove_stale(parent: pathlib.Path, kind: str, name: str = "") -> list[pathli
 
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends (then they act): a rename pair is not split."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """SIGINT and SIGTERM wait until the block ends, then act: a rename pair or a clean-up is not cut short.
+
+    The signals' handlers are swapped for one that only records, and the
+    first recorded signal is raised again once the handlers are back. Python
+    runs signal handlers in the main thread whichever thread the kernel chose,
+    so masking the signal in this thread alone would not hold it.
+    """
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
+    arrived: list[int] = []
+    previous = {each: signal.getsignal(each) for each in _INTERRUPTS}
+    for each in _INTERRUPTS:
+        signal.signal(each, lambda signum, frame: arrived.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for each, handler in previous.items():
+            signal.signal(each, handler)
+        if arrived:
+            signal.raise_signal(arrived[0])
 
 
 def publish(staged: pathlib.Path, output: pathlib.Path, replace: bool) -> None:
@@ -175,6 +190,17 @@ def discard_mine(parent: pathlib.Path, kind: str, name: str = "") -> None:
         return
     for path in entries:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def discard_all_mine() -> None:
+    """Remove every staging directory this process made and did not publish (the command's last word on an interrupt).
+
+    The clean-up of each writer already does this; an interrupt that Python
+    delivers inside that clean-up (a signal whose handler runs late, after the
+    C++ it arrived in returns) would cut it short, so the command sweeps again.
+    """
+    for parent, kind, name in sorted(_made, key=str):
+        discard_mine(parent, kind, name)
 
 
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO)
