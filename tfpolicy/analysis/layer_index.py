@@ -190,15 +190,22 @@ class LayerIndex:
 
 def build(model: LoadedModel) -> LayerIndex:
     index = LayerIndex()
+    named: dict[int, VariableInfo] = {}  # uid -> the variable as its TF name places it
     for program in model.signatures.values():
         for capture in program.captures.values():
             variable = capture.variable
-            if variable is None or id(variable) in index.variables:
-                continue
-            info = _variable_info(variable)
-            info = _unique_name(index, info)
-            index.variables[info.uid] = info
-            index.layers.setdefault(info.layer_path, LayerInfo(info.layer_path)).variables.append(info)
+            if variable is not None and id(variable) not in named:
+                named[id(variable)] = _variable_info(variable)
+    for program in model.signatures.values():
+        _trace_signature_resources(index, program)
+    placed = _paths_from_call_scopes(index, model, named)
+    for uid, info in named.items():
+        path = placed.get(uid, info.layer_path)
+        if path != info.layer_path:
+            info = dataclasses.replace(info, layer_path=path, name=f"{path}/{info.name.rsplit('/', 1)[-1]}")
+        info = _unique_name(index, info)
+        index.variables[info.uid] = info
+        index.layers.setdefault(info.layer_path, LayerInfo(info.layer_path)).variables.append(info)
     known = _with_ancestors(index.layers)
     for program in model.signatures.values():
         _index_signature(index, program, known)
@@ -206,6 +213,129 @@ def build(model: LoadedModel) -> LayerIndex:
         if path is not None:
             index.layers.setdefault(path, LayerInfo(path)).op_count += 1
     return index
+
+
+def _trace_signature_resources(index: LayerIndex, program: SignatureProgram) -> None:
+    """Which variable each resource tensor carries, in the signature's graph and every function it calls."""
+    seeds = {name: id(c.variable) for name, c in program.captures.items() if c.variable is not None}
+    queue: collections.deque[tuple[Graph, dict[str, int]]] = collections.deque([(program.graph, seeds)])
+    while queue:
+        graph, seeds = queue.popleft()
+        if (program.key, graph.name) in index._resources:
+            continue
+        resources = _trace_resources(graph, seeds)
+        index._resources[(program.key, graph.name)] = resources
+        for node in graph.nodes.values():
+            for callee, offset in _callees(node):
+                if callee not in program.functions:
+                    continue
+                args = [n.name for n in program.functions[callee].nodes.values() if n.op == "_Arg"]
+                callee_seeds = {}
+                for position, ref in node.data_inputs():
+                    uid = resources.get(str(ref))
+                    if uid is not None and 0 <= position - offset < len(args):
+                        callee_seeds[args[position - offset]] = uid
+                queue.append((program.functions[callee], callee_seeds))
+
+
+_READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """Where a variable is read: the scope of the layer call around the read, split at its TF name's window."""
+
+    uid: int
+    above: tuple[str, ...]  # scopes before the window (model scope, and any enclosing layers)
+    below: tuple[str, ...]  # scopes after it (sublayers)
+
+
+def _paths_from_call_scopes(index: LayerIndex, model: LoadedModel, named: dict[int, VariableInfo]) -> dict[int, str]:
+    """Layer paths that the call scopes around each variable's reads give, where they differ from the TF name's.
+
+    A Keras 3 layer's path is the stack of layer scopes it was first opened in
+    (``transformer_decoder_layer_0/cross_attention/key_projector``), which is
+    also the stack of name scopes its call runs in, while its variables' TF
+    names may hold only an enclosing layer (keras_hub's T5 names eleven kernels
+    ``transformer_decoder_layer_0/kernel``). So each read of a variable in a
+    graph whose layer scopes are uniquified (``name_1``, as Keras 3's traces
+    are) is placed by its call scope: the TF name's window, the sublayers
+    below it and the enclosing layers above it up to the model's own scope (the
+    scope most reads sit under), each without its uniquifier, and without an
+    op's own scope (:func:`_is_op_scope`). The path most of a
+    variable's reads agree on wins. Where scopes are not uniquified (tf-keras,
+    whose TF names are the layer paths) or a read's scope does not hold the TF
+    name (a While body traced apart), the TF name stands.
+    """
+    reads: list[_Read] = []
+    trusted: set[int] = set()  # variables read where scopes are not uniquified: the TF name is the path
+    for program in model.signatures.values():
+        for graph in [program.graph, *program.functions.values()]:
+            resources = index._resources.get((program.key, graph.name))
+            if not resources:
+                continue
+            computing: Optional[set[str]] = None
+            for node in graph.nodes.values():
+                if node.op not in _READ_OPS:
+                    continue
+                uid = next((resources[str(ref)] for _, ref in node.data_inputs() if str(ref) in resources), None)
+                if uid is None:
+                    continue
+                computing = _computing_scopes(graph) if computing is None else computing
+                read = _read_of(graph, node, uid, named[uid].layer_path, computing)
+                if read is None:
+                    trusted.add(uid)
+                else:
+                    reads.append(read)
+    if not reads:
+        return {}
+    model_scope = collections.Counter(read.above for read in reads).most_common(1)[0][0]
+    votes: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for read in reads:
+        if read.uid in trusted or read.above[: len(model_scope)] != model_scope:
+            continue
+        path = [*read.above[len(model_scope):], named[read.uid].layer_path, *read.below]
+        votes[read.uid]["/".join(path)] += 1
+    return {uid: counter.most_common(1)[0][0] for uid, counter in votes.items()}
+
+
+def _is_op_scope(graph: Graph, scope: str, computing: set[str]) -> bool:
+    """Whether ``scope`` is an op's own name scope rather than a layer's.
+
+    ``tf.cast(variable)`` and ``tf.shape(variable)`` read the variable in a
+    scope named after their op (``Cast/ReadVariableOp``; the op itself is
+    ``Cast``, or no op at all when the cast is a no-op); a layer's scope holds
+    the layer's computation, not only reads. ``computing``: the scopes of the
+    graph that hold an op other than a read.
+    """
+    return scope in graph.nodes or scope not in computing
+
+
+def _computing_scopes(graph: Graph) -> set[str]:
+    found: set[str] = set()
+    for name, node in graph.nodes.items():
+        if node.op in _READ_OPS:
+            continue
+        parts = name.split("/")[:-1]
+        found.update("/".join(parts[:end]) for end in range(1, len(parts) + 1))
+    return found
+
+
+def _read_of(graph: Graph, node: Node, uid: int, tf_path: str, computing: set[str]) -> Optional[_Read]:
+    """The read's call scope around the TF name's window, or None where the TF name stands (see above)."""
+    window = find_layer_scope(node.name, tf_path)
+    if window is None:
+        return None
+    start, end = window
+    components = node.name.split("/")[:-1]
+    if all(c == w for c, w in zip(components[start:end], tf_path.split("/"))):
+        return None  # scopes are not uniquified here
+    scope = components
+    if len(scope) > end and _is_op_scope(graph, "/".join(scope), computing):
+        scope = scope[:-1]
+    above = tuple(_strip_uniquifier(c) for c in scope[:start] if not CALL_WRAPPER.fullmatch(c))
+    below = tuple(_strip_uniquifier(c) for c in scope[end:])
+    return _Read(uid, above, below)
 
 
 def _unique_name(index: "LayerIndex", info: VariableInfo) -> VariableInfo:
@@ -250,7 +380,7 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
         if graph.name in visited:
             continue
         visited.add(graph.name)
-        resources = _trace_resources(graph, seeds)
+        resources = index._resources.get((key, graph.name)) or _trace_resources(graph, seeds)
         index._resources[(key, graph.name)] = resources
         order = graph.topological_order()
         local: dict[str, str] = {}
