@@ -45,3 +45,22 @@ def test_explain_shows_quantized_layers_without_writing(zoo, tmp_path):
     assert report.change(row).startswith("int8: 1 op quantized (kernel_scale ")  # serve is serving_default, rewritten once
     assert report.quantization["head"].variables == ["head/kernel", "head/kernel_scale"]
     assert report.output_dir is None
+
+
+def test_the_report_counts_what_each_key_changed(zoo):
+    report = tfpolicy.explain(zoo.get("keras3_mlp").saved_model_dir,
+                              {"default_policy": "mixed_bfloat16", "policy_map": {"head": "int8_from_mixed_bfloat16"}})
+    coverage = {entry["key"]: entry for entry in report.to_json()["coverage"]}
+    assert coverage["head"]["layers"] == 1 and coverage["head"]["ops_quantized"] == 1
+    assert coverage[None]["layers"] >= 1 and coverage[None]["ops_retyped"] > 0
+    assert not [w for w in report.warnings if "changes nothing" in w or "changed none" in w]
+
+
+def test_a_map_that_changes_nothing_says_so_and_strict_refuses_it(zoo, tmp_path):
+    model = zoo.get("keras3_mlp")
+    unchanged = {"default_policy": "float32", "policy_map": {"head": "float32"}}
+    report = tfpolicy.explain(model.saved_model_dir, unchanged)
+    assert [w for w in report.warnings if w.startswith("the map changes nothing in this model")]
+    with pytest.raises(tfpolicy.StrictModeError, match="changes nothing"):
+        tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", unchanged, strict=True)
+    assert not (tmp_path / "out").exists()

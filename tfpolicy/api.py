@@ -266,6 +266,9 @@ def _run(input_path, output_path, policy_map, signatures, target=None, int8_conv
                                        new_variables),
         lowering=chosen if any(s.integer is not None for s in qplan.sites) or (chosen.xla_compile and qplan.sites) else None,
     )
+    for message in report.coverage_warnings():
+        warnings.append(message)
+        logger.warning(message)
     return _State(model, the_plan, qplan, variable_dtypes, new_variables, passes, report, limits, chosen)
 
 

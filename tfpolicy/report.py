@@ -157,6 +157,42 @@ class Report:
             parts.append("kept float32: " + "; ".join(f"{n} x {reason}" for reason, n in sorted(declined.items())))
         return ", ".join(parts)
 
+    def coverage(self) -> list[dict]:
+        """Per key of the map (and the default): the layers it reaches, their ops, and how many were changed."""
+        by_key: dict[Optional[str], dict] = {}
+        for row in self.plan.rows():
+            entry = by_key.setdefault(row.key, {"key": row.key, "policy": row.policy, "layers": 0, "ops": 0,
+                                                "ops_retyped": 0, "ops_quantized": 0})
+            entry["layers"] += 1 if row.path is not None else 0
+            entry["ops"] += row.op_count
+            entry["ops_retyped"] += self.retyped_by_layer.get(row.path, 0)
+            quantized = self.quantization.get(row.path) if row.path is not None else None
+            entry["ops_quantized"] += quantized.ops_quantized if quantized is not None else 0
+        return sorted(by_key.values(), key=lambda e: (e["key"] is None, e["key"] or ""))
+
+    def coverage_warnings(self) -> list[str]:
+        """Where the map does not reach what it names, one line each (see :meth:`coverage`).
+
+        A layer with variables to which no op could be attributed; a key whose
+        layers compute in a lower precision or are quantized, yet none of whose
+        ops changed; a map that changes nothing at all.
+        """
+        lines = []
+        for row in self.plan.rows():
+            if row.path is not None and row.variable_count and not row.op_count:
+                lines.append(f"layer '{row.path}' owns {row.variable_count} variable(s) but none of the model's ops"
+                             f" could be attributed to it, so its policy ({row.policy}) reaches nothing")
+        for entry in self.coverage():
+            rows = [r for r in self.plan.rows() if r.key == entry["key"] and r.path is not None]
+            changes = any(r.compute_dtype != "float32" or r.quantization_mode for r in rows if not r.is_normalization)
+            if entry["key"] is not None and changes and not (entry["ops_retyped"] or entry["ops_quantized"]):
+                lines.append(f"policy map key '{entry['key']}' ({entry['policy']}) reaches {entry['layers']} layer(s)"
+                             f" with {entry['ops']} op(s), but changed none of them")
+        changed = self.casts_inserted + sum(s.ops_retyped + s.ops_quantized for s in self.signatures)
+        if not changed:
+            lines.append("the map changes nothing in this model: no op was retyped or quantized and no cast inserted")
+        return lines
+
     def to_json(self) -> dict:
         return {
             "input": self.input_dir,
@@ -176,6 +212,7 @@ class Report:
             "casts_reused": self.casts_reused,
             "variables_converted": self.variables_converted,
             "quantization": {path: dataclasses.asdict(q) for path, q in self.quantization.items()},
+            "coverage": self.coverage(),
             "calibration_batches": self.calibration_batches,
             "unused_keys": list(self.plan.unused_keys),
             "warnings": self.warnings,
