@@ -370,13 +370,14 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
         name: id(c.variable) for name, c in program.captures.items() if c.variable is not None
     }
     # Graphs in caller-before-callee order, with what their arguments carry.
-    queue: collections.deque[tuple[Graph, dict[str, int], Optional[str]]] = collections.deque()
-    queue.append((program.graph, capture_uids, None))
+    # (graph, what its arguments carry, the caller's layer, the caller's node name)
+    queue: collections.deque[tuple[Graph, dict[str, int], Optional[str], str]] = collections.deque()
+    queue.append((program.graph, capture_uids, None, ""))
     visited: set[str] = set()
     learned: dict[str, str] = {}
     model_prefixes: set[tuple[str, ...]] = set()
     while queue:
-        graph, seeds, caller_layer = queue.popleft()
+        graph, seeds, caller_layer, caller = queue.popleft()
         if graph.name in visited:
             continue
         visited.add(graph.name)
@@ -385,7 +386,8 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
         order = graph.topological_order()
         local: dict[str, str] = {}
         for node in order:
-            info = index.variable_read_by(key, graph, node) if node.op != "_Arg" else None
+            # A call or While/If passes the handle on (its callee reads it): it is no read of that layer.
+            info = index.variable_read_by(key, graph, node) if node.op != "_Arg" and not _callees(node) else None
             if info is None:
                 continue
             index._node_layer[(key, graph.name, node.name)] = info.layer_path
@@ -399,11 +401,11 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
         for node in order:
             slot = (key, graph.name, node.name)
             if slot not in index._node_layer:
-                layer = _layer_for(node, scopes, caller_layer, model_prefixes, known, graph)
+                layer = _layer_for(node, scopes, caller_layer, caller, model_prefixes, known, graph)
                 if layer is not None and layer not in known and _TRAILING_NUMBERS.sub("", layer) in pathless_layer_names():
                     index.pathless_scopes[layer] += 1
                     layer = None
-                elif (layer is None and _in_model_scope(node.name, model_prefixes)) or (
+                elif (layer is None and _in_model_scope(_owning_op_name(graph, node.name), model_prefixes)) or (
                     layer is not None and layer not in known and layer.startswith(TF_OP_LAYER_PREFIX)
                 ):
                     index._between_layers.add(slot)
@@ -419,7 +421,7 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
                         arg_index = position - offset
                         if uid is not None and 0 <= arg_index < len(args):
                             callee_seeds[args[arg_index]] = uid
-                    queue.append((program.functions[callee], callee_seeds, layer))
+                    queue.append((program.functions[callee], callee_seeds, layer, node.name))
 
 
 # tf-keras wraps a TensorFlow op called on Keras tensors in a TFOpLambda layer
@@ -434,15 +436,38 @@ def pathless_layer_names() -> frozenset[str]:
     return keras_internals.layers_built_at_init()
 
 
-def _layer_for(node: Node, scopes, caller_layer, model_prefixes, known, graph: Graph) -> Optional[str]:
+def _layer_for(node: Node, scopes, caller_layer, caller: str, model_prefixes, known, graph: Graph) -> Optional[str]:
     if node.op in ("Placeholder", "_Arg"):
         return caller_layer if graph.is_function else None
     for scope, path in scopes:
         if node.name.startswith(scope + "/"):
             return path
-    if caller_layer is not None:
-        return caller_layer
-    return normalize_scope(node.name, model_prefixes, known)
+    if caller_layer is not None or (caller and node.name.startswith(caller + "/")):
+        return caller_layer  # a body traced in its caller's scope (``while/cond/mul`` under If ``while/cond``)
+    name = _owning_op_name(graph, node.name)
+    if name != node.name and not _scope_components(name):
+        return None  # the helper of an op at the top of the graph (``while/maximum_iterations``)
+    return normalize_scope(name, model_prefixes, known)
+
+
+def _owning_op_name(graph: Graph, op_name: str) -> str:
+    """The op whose own name scope ``op_name`` sits in, else ``op_name``.
+
+    A TensorFlow op's Python wrapper makes its helpers in a scope named as the
+    op (``strided_slice/stack`` beside ``strided_slice``, ``zeros/Const`` beside
+    ``zeros``, ``while/maximum_iterations`` beside ``while``): they belong where
+    the op is, and their scope is no layer.
+    """
+    components = op_name.split("/")[:-1]
+    owner = op_name
+    while components and ("/".join(components) in graph.nodes or _TENSOR_ARRAY_SCOPE.fullmatch(components[-1])):
+        owner = "/".join(components)
+        components = components[:-1]
+    return owner
+
+
+# tf.TensorArray's methods scope their ops without an op of that name (``TensorArrayV2Stack/TensorListStack``).
+_TENSOR_ARRAY_SCOPE = re.compile(r"TensorArrayV2[A-Za-z]*(_\d+)?")
 
 
 def _in_model_scope(op_name: str, model_prefixes) -> bool:

@@ -133,7 +133,7 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
     def decline(reason: str) -> Declined:
         return Declined(layer, mode, node.name, node.op, reason)
 
-    if graph.is_function and graph.name in bodies:
+    if graph.is_function and graph.name in bodies and mode != "int8":
         return decline("inside a While/If body, whose signature cannot take new variables")
     if graph.is_function and mode == "float8":
         return decline("float8 inside a called function, whose signature cannot take the calibrated scale variables")
@@ -284,6 +284,10 @@ def _variable_uses(model: LoadedModel, index: LayerIndex) -> Iterator[tuple[Grap
                         yield graph, node, uid, graph.name in bodies
 
 
+# Ops that hand a variable's handle to a function that reads it (whose reads are retyped like any other).
+PASS_HANDLES = CALL_OPS | frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"})
+
+
 def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
     """Decline int8 sites whose kernel cannot become an int8 variable.
 
@@ -304,7 +308,7 @@ def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
         if uid in int4 and (graph.is_function or node.op not in VARIABLE_READS):
             where = f"called function '{graph.name}'" if graph.is_function else f"{node.op} '{node.name}'"
             blocked[uid] = f"its kernel is also used in {where}, which cannot read a packed int4 copy"
-        elif in_body or (node.op not in VARIABLE_READS and node.op not in CALL_OPS):
+        elif (in_body and uid in int4) or (node.op not in VARIABLE_READS and node.op not in PASS_HANDLES):
             what = "a While/If body" if in_body else f"{node.op} '{node.name}'"
             blocked[uid] = f"its kernel is also used by {what}, which cannot read an int8 copy"
     kept, declined = [], []

@@ -125,6 +125,23 @@ def _rename_function_refs(node_defs, renames: dict[str, str]) -> None:
                     func.name = renames[func.name]
 
 
+_FUNCTIONAL_CONTROL_FLOW = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase"})
+LOWER_USING_SWITCH_MERGE = "_lower_using_switch_merge"
+
+
+def _keep_functional_control_flow(graph_def) -> None:
+    """Mark While/If/Case to stay functional ops, as XLA compiles them.
+
+    TensorFlow lowers them to TF1's Switch/Merge/Enter/Exit when a graph runs
+    (the TF1 session loader's path), unless the op says not to; XLA has no
+    kernel for those, so a signature marked ``_XlaMustCompile`` with a
+    decoding loop inside would stop running under TF Serving.
+    """
+    for node in [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]:
+        if node.op in _FUNCTIONAL_CONTROL_FLOW:
+            node.attr[LOWER_USING_SWITCH_MERGE].b = False
+
+
 def rebuild_function(
     program: SignatureProgram,
     handles: dict[str, object],
@@ -146,6 +163,8 @@ def rebuild_function(
     feeds = [name.split(":")[0] for name in program.input_tensors]
     keep = graph.ancestors([ref.node for ref in wanted.values()] + feeds)
     graph_def = build_graph_def(program, keep)
+    if xla_compile:
+        _keep_functional_control_flow(graph_def)
     fn_graph = tf_internals.new_func_graph(f"tfpolicy_{program.key}", graph_def)
     feed_tensors = [fn_graph.get_tensor_by_name(name) for name in program.input_tensors]
     fn_graph.inputs.extend(feed_tensors)
