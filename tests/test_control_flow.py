@@ -8,66 +8,24 @@ come out the same, bit for bit.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfpolicy
+from cli_helpers import REPO_ROOT
 
-STEPS = 4
-WIDTH = 16
-VOCABULARY = 50
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import realmodels  # noqa: E402
 
-
-class Decoder(tf.Module):
-    """Greedy decoding: embed the last token, a tanh cell, a head; every other step halves the state."""
-
-    def __init__(self) -> None:
-        super().__init__(name="decoder")
-        rng = np.random.default_rng(0)
-        with tf.name_scope("embed"):
-            self.embed = tf.Variable(rng.standard_normal((VOCABULARY, WIDTH)).astype("float32") * 0.3, name="embeddings")
-        with tf.name_scope("cell"):
-            self.cell = tf.Variable(rng.standard_normal((2 * WIDTH, WIDTH)).astype("float32") * 0.3, name="kernel")
-        with tf.name_scope("head"):
-            self.head = tf.Variable(rng.standard_normal((WIDTH, VOCABULARY)).astype("float32") * 0.3, name="kernel")
-
-    def _step(self, i, state, token, halve):
-        with tf.name_scope("embed"):
-            e = tf.gather(self.embed, token)
-        with tf.name_scope("cell"):
-            h = tf.tanh(tf.matmul(tf.concat([state, e], -1), self.cell))
-        h = halve(h)
-        with tf.name_scope("head"):
-            out = tf.matmul(h, self.head)
-        return h, tf.argmax(out, -1, output_type=tf.int32), out
-
-    @tf.function(input_signature=[tf.TensorSpec([None, WIDTH], tf.float32), tf.TensorSpec([], tf.int32)])
-    def decode(self, state, steps):
-        logits = tf.TensorArray(tf.float32, size=steps)
-        token = tf.zeros([tf.shape(state)[0]], tf.int32)
-
-        def body(i, state, token, logits):
-            halve = lambda h: tf.cond(i % 2 == 0, lambda: h, lambda: h * 0.5)  # noqa: E731
-            state, token, out = self._step(i, state, token, halve)
-            return i + 1, state, token, logits.write(i, out)
-
-        _, state, _, logits = tf.while_loop(lambda i, *_: i < steps, body, [0, state, token, logits])
-        return {"logits": tf.transpose(logits.stack(), [1, 0, 2]), "state": state}
-
-    @tf.function(input_signature=[tf.TensorSpec([None, WIDTH], tf.float32)])
-    def unrolled(self, state):
-        token = tf.zeros([tf.shape(state)[0]], tf.int32)
-        logits = []
-        for i in range(STEPS):
-            state, token, out = self._step(i, state, token, lambda h, i=i: h if i % 2 == 0 else h * 0.5)
-            logits.append(out)
-        return {"logits": tf.stack(logits, 1), "state": state}
+STEPS, WIDTH = realmodels.LOOP_STEPS, realmodels.LOOP_WIDTH
 
 
 @pytest.fixture(scope="session")
 def decoder(tmp_path_factory):
-    module = Decoder()
+    module = realmodels.decoding_loop_module()
     directory = tmp_path_factory.mktemp("control_flow") / "decoder"
     tf.saved_model.save(module, str(directory), signatures={"serving_default": module.decode, "unrolled": module.unrolled})
     return directory

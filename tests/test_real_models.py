@@ -1,6 +1,6 @@
 """Real architectures with the default settings, against Keras applying the same map.
 
-The zoo is ``tools/realmodels.py``'s (keras_hub BERT, DistilBERT, GPT-2, Llama, T5;
+The zoo is ``tools/realmodels.py``'s (keras_hub BERT, DistilBERT, GPT-2, Llama, T5, DeBERTa-v3, Gemma;
 keras.applications ResNet50, MobileNetV3Small, ConvNeXtTiny; tf-keras
 MobileNetV2), each exported once per session with random weights, each under
 five maps (``bf16``, ``int8``, ``int4``, ``float8`` calibrated, a per-layer ``mix``). For
@@ -38,7 +38,13 @@ QUANTIZED_BOUND = 1.25
 # int8 keeps the convolutions in bfloat16 as Keras does; int8conv quantizes them (int8_convolutions).
 _CNN_MAPS = {"resnet50": ("bf16", "int8conv"), "mobilenetv3small": tuple(m for m in realmodels.MAPS if m != "int4"),
              "convnexttiny": ("bf16", "int8conv"), "tfkeras_mobilenetv2": ("bf16", "int8conv")}
-CASES = [(model, which) for model in realmodels.MODELS for which in _CNN_MAPS.get(model, realmodels.MAPS)
+# The second wave, within the suite's time: a float and a quantized map each (all maps in the README's table).
+# Mixtral's random-weight router flips experts on the smallest rounding, so its errors measure chaos, not
+# precision (bfloat16 1.5x Keras's, int8 76% error in both): the table only.
+_SECOND_WAVE_MAPS = {"t5": ("bf16", "int8", "float8"), "deberta": ("bf16", "int8"), "gemma": ("bf16", "float8"),
+                     "mixtral": (), "decoding_loop": ("bf16", "int8")}
+_MAPS = {**_CNN_MAPS, **_SECOND_WAVE_MAPS}
+CASES = [(model, which) for model in realmodels.MODELS for which in _MAPS.get(model, realmodels.MAPS)
          if (which != "int8conv" or model in _CNN_MAPS) and (model, which) not in realmodels.KERAS_CANNOT]
 
 
@@ -97,7 +103,7 @@ def test_rewrites_with_defaults_as_faithfully_as_keras(real_zoo, tmp_path, name,
         declined = [d["op"] for q in report.quantization.values() for d in q.declined_ops]
         # MobileNetV3Small's int8 layers are all convolutions, which int8 (as Keras) declines.
         assert quantized > 0 or (which == "int8" and declined), (quantized, declined)
-    if model.rebuild is None:  # tf-keras: no Keras 3 oracle; the error stays a precision error
+    if model.rebuild is None:  # tf-keras, tf.Module: no Keras 3 oracle; the error stays a precision error
         assert e_tool < 0.1, e_tool
         return
     scales = realmodels.float8_scales(out) if which == "float8" else None

@@ -248,6 +248,7 @@ class _Read:
     uid: int
     above: tuple[str, ...]  # scopes before the window (model scope, and any enclosing layers)
     below: tuple[str, ...]  # scopes after it (sublayers)
+    above_are_calls: bool  # every scope above is uniquified, as Keras 3's layer calls are
 
 
 def _paths_from_call_scopes(index: LayerIndex, model: LoadedModel, named: dict[int, VariableInfo]) -> dict[int, str]:
@@ -261,8 +262,10 @@ def _paths_from_call_scopes(index: LayerIndex, model: LoadedModel, named: dict[i
     graph whose layer scopes are uniquified (``name_1``, as Keras 3's traces
     are) is placed by its call scope: the TF name's window, the sublayers
     below it and the enclosing layers above it up to the model's own scope (the
-    scope most reads sit under), each without its uniquifier, and without an
-    op's own scope (:func:`_is_op_scope`). The path most of a
+    scope most reads sit under), each without its uniquifier. Only uniquified
+    scopes count as layer calls, and not an op's own scope
+    (:func:`_is_op_scope`): ``conv1d_1/convolution/ReadVariableOp`` is read by
+    ``tf.nn.convolution`` inside layer ``conv1d``. The path most of a
     variable's reads agree on wins. Where scopes are not uniquified (tf-keras,
     whose TF names are the layer paths) or a read's scope does not hold the TF
     name (a While body traced apart), the TF name stands.
@@ -294,7 +297,8 @@ def _paths_from_call_scopes(index: LayerIndex, model: LoadedModel, named: dict[i
     for read in reads:
         if read.uid in trusted or read.above[: len(model_scope)] != model_scope:
             continue
-        path = [*read.above[len(model_scope):], named[read.uid].layer_path, *read.below]
+        enclosing = read.above[len(model_scope):] if read.above_are_calls else ()
+        path = [*enclosing, named[read.uid].layer_path, *read.below]
         votes[read.uid]["/".join(path)] += 1
     return {uid: counter.most_common(1)[0][0] for uid, counter in votes.items()}
 
@@ -330,12 +334,14 @@ def _read_of(graph: Graph, node: Node, uid: int, tf_path: str, computing: set[st
     components = node.name.split("/")[:-1]
     if all(c == w for c, w in zip(components[start:end], tf_path.split("/"))):
         return None  # scopes are not uniquified here
-    scope = components
-    if len(scope) > end and _is_op_scope(graph, "/".join(scope), computing):
-        scope = scope[:-1]
-    above = tuple(_strip_uniquifier(c) for c in scope[:start] if not CALL_WRAPPER.fullmatch(c))
-    below = tuple(_strip_uniquifier(c) for c in scope[end:])
-    return _Read(uid, above, below)
+    below = []
+    for depth in range(end, len(components)):  # sublayers: uniquified call scopes, up to an op's own scope
+        if not _UNIQUIFIED.fullmatch(components[depth]) or _is_op_scope(graph, "/".join(components[: depth + 1]), computing):
+            break
+        below.append(_strip_uniquifier(components[depth]))
+    enclosing = [c for c in components[:start] if not CALL_WRAPPER.fullmatch(c)]
+    above = tuple(_strip_uniquifier(c) for c in enclosing)
+    return _Read(uid, above, tuple(below), all(_UNIQUIFIED.fullmatch(c) for c in enclosing))
 
 
 def _unique_name(index: "LayerIndex", info: VariableInfo) -> VariableInfo:
