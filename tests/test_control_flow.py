@@ -65,3 +65,15 @@ def test_an_int8_layer_inside_the_loop_is_quantized_as_outside_it(decoder, tmp_p
             np.testing.assert_array_equal(got_looped[key], got_unrolled[key])
         error = np.abs(got_looped[key] - looped[key]).max() / np.abs(looped[key]).max()
         assert 1e-4 < error < 0.05, (key, error)  # quantized, and still the model
+
+
+def test_float8_inside_the_loop_is_declined_with_a_reason_and_calibration_takes_a_scalar_input(decoder, tmp_path):
+    """Calibration batches carry the scalar step count as it is; the float8 layer in the body says why it is not."""
+    rng = np.random.default_rng(2)
+    batches = [{"state": rng.standard_normal((4, WIDTH)).astype("float32"), "steps": np.int32(STEPS)} for _ in range(2)]
+    plain = {"default_policy": "mixed_bfloat16", "policy_map": {"head": {"name": "float8_from_mixed_bfloat16"}}}
+    report = tfpolicy.rewrite(decoder, tmp_path / "out", plain, signatures=["serving_default"],
+                              calibration_data=batches)
+    declined = report.quantization["head"].declined
+    assert list(declined) == ["inside a While/If body, whose signature cannot take new variables"]
+    assert all(s.tf1_ran for s in report.serving_checks.signatures)

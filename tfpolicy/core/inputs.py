@@ -1,7 +1,8 @@
 """Input arrays for a signature: read, check, batch and generate them.
 
 Validation data, calibration data and warmup requests all arrive as a dict of
-numpy arrays keyed by a signature's input names, batch first, string inputs as
+numpy arrays keyed by a signature's input names, batch first (a scalar input,
+such as a decoding loop's step count, goes with every batch), string inputs as
 numpy bytes arrays (``dtype='S...'``)::
 
     data.npz  --load_npz-->  {"features": float32 (N, 16)}
@@ -157,18 +158,19 @@ def iter_batches(arrays: Mapping[str, np.ndarray], batch_size: int) -> Iterator[
         raise InputDataError(f"batch size must be at least 1, got {batch_size}")
     rows = batch_rows(arrays)
     for start in range(0, rows, batch_size):
-        yield {name: array[start : start + batch_size] for name, array in arrays.items()}
+        yield {name: array[start : start + batch_size] if np.ndim(array) else array for name, array in arrays.items()}
 
 
 def batch_rows(arrays: Mapping[str, np.ndarray]) -> int:
-    """The common first dimension of ``arrays``; InputDataError if they differ."""
+    """The common first dimension of ``arrays``; InputDataError if they differ.
+
+    A scalar (a decoding loop's ``steps``) is no batch: it goes with every batch as it is.
+    """
     if not arrays:
         raise InputDataError("no input arrays given")
-    sizes = {}
-    for name, array in arrays.items():
-        if np.ndim(array) == 0:
-            raise InputDataError(f"input '{name}' is a scalar; arrays are batch first")
-        sizes[name] = np.shape(array)[0]
+    sizes = {name: np.shape(array)[0] for name, array in arrays.items() if np.ndim(array)}
+    if not sizes:
+        raise InputDataError(f"every input is a scalar ({_names(arrays)}); give at least one batch-first array")
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"'{name}' has {size}" for name, size in sizes.items())
         raise InputDataError(f"inputs differ in their first (batch) dimension: {listed}")
@@ -338,8 +340,6 @@ def _normalized(array: np.ndarray, label: str) -> np.ndarray:
                 array.shape
             )
         raise InputDataError(f"{label} is an object array; use numeric arrays or bytes (dtype 'S')")
-    if array.ndim == 0:
-        raise InputDataError(f"{label} is a scalar; arrays are batch first")
     return array
 
 
