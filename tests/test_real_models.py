@@ -1,6 +1,6 @@
 """Real architectures with the default settings, against Keras applying the same map.
 
-The zoo is ``tools/realmodels.py``'s (keras_hub BERT, DistilBERT, GPT-2, Llama, T5, DeBERTa-v3, Gemma;
+The zoo is ``tools/realmodels.py``'s (keras_hub BERT, DistilBERT, GPT-2, Llama, T5, DeBERTa-v3, Gemma, Whisper;
 keras.applications ResNet50, MobileNetV3Small, ConvNeXtTiny; tf-keras
 MobileNetV2), each exported once per session with random weights, each under
 five maps (``bf16``, ``int8``, ``int4``, ``float8`` calibrated, a per-layer ``mix``). For
@@ -42,7 +42,7 @@ _CNN_MAPS = {"resnet50": ("bf16", "int8conv"), "mobilenetv3small": tuple(m for m
 # Mixtral's random-weight router flips experts on the smallest rounding, so its errors measure chaos, not
 # precision (bfloat16 1.5x Keras's, int8 76% error in both): the table only.
 _SECOND_WAVE_MAPS = {"t5": ("bf16", "int8", "float8"), "deberta": ("bf16", "int8"), "gemma": ("bf16", "float8"),
-                     "mixtral": (), "decoding_loop": ("bf16", "int8")}
+                     "whisper": ("bf16",), "mixtral": (), "decoding_loop": ("bf16", "int8")}
 _MAPS = {**_CNN_MAPS, **_SECOND_WAVE_MAPS}
 CASES = [(model, which) for model in realmodels.MODELS for which in _MAPS.get(model, realmodels.MAPS)
          if (which != "int8conv" or model in _CNN_MAPS) and (model, which) not in realmodels.KERAS_CANNOT]

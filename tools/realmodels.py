@@ -61,7 +61,8 @@ VOCABULARY = 1000
 IMAGE = (64, 64, 3)
 BATCH = 4
 CALIBRATION_BATCHES = 4
-TEXT_MODELS = ("bert", "distilbert", "gpt2", "llama", "t5", "deberta", "gemma", "mixtral")
+TEXT_MODELS = ("bert", "distilbert", "gpt2", "llama", "t5", "deberta", "gemma", "whisper", "mixtral")
+MELS = 16
 MODELS = (*TEXT_MODELS, "resnet50", "mobilenetv3small", "convnexttiny", "tfkeras_mobilenetv2", "decoding_loop")
 MAPS = ("bf16", "int8", "int8conv", "int4", "float8", "mix")
 # The maps' rewrite options: int8conv is int8's map with the convolutions quantized too.
@@ -98,6 +99,8 @@ def _token_inputs(rng: np.random.Generator, batch: int, names: tuple[str, ...]) 
             mask = np.ones((batch, SEQUENCE), dtype="int32")
             mask[: batch // 2, SEQUENCE * 3 // 4 :] = 0  # some padding, hidden by the mask
             arrays[name] = mask
+        elif name == "encoder_features":  # log-mel frames, twice the sequence (the encoder halves it)
+            arrays[name] = rng.normal(0, 1, size=(batch, 2 * SEQUENCE, MELS)).astype("float32")
         elif name == "segment_ids":
             arrays[name] = (np.arange(SEQUENCE)[None, :] >= SEQUENCE // 2).astype("int32").repeat(batch, 0)
         else:
@@ -121,6 +124,9 @@ def _keras_hub(name: str) -> Callable[[], Any]:
                                                       dropout=0.0, **common)
         if name == "gemma":  # RoPE, GeGLU, (1 + scale) RMSNorm, a scaled embedding
             return keras_hub.models.GemmaBackbone(num_query_heads=4, num_key_value_heads=1, head_dim=16, **common)
+        if name == "whisper":  # an audio encoder-decoder: log-mel frames in, strided convolutions first
+            return keras_hub.models.WhisperBackbone(num_heads=4, num_mels=MELS, max_encoder_sequence_length=2 * SEQUENCE,
+                                                    max_decoder_sequence_length=SEQUENCE, **common)
         if name == "mixtral":  # a mixture of experts with a sliding window
             return keras_hub.models.MixtralBackbone(num_query_heads=4, num_key_value_heads=2, num_experts=4,
                                                     sliding_window=16, **common)
