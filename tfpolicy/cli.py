@@ -187,7 +187,10 @@ def main(argv: Sequence[str]) -> None:
         _main(argv)
     except (_Interrupted, KeyboardInterrupt):
         pass
-    except SystemExit:
+    except (SystemExit, Exception):
+        # An interrupt that an import turned into an ImportError (numpy's C
+        # extension imports ``datetime`` through PyCapsule_Import, which reports
+        # any exception so), or any other error it caused, is the interrupt.
         if not _received:
             raise
     # Also when TensorFlow swallowed the exception and the run went on: the user asked it to stop.
