@@ -184,7 +184,9 @@ class Report:
                              f" could be attributed to it, so its policy ({row.policy}) reaches nothing")
         for entry in self.coverage():
             rows = [r for r in self.plan.rows() if r.key == entry["key"] and r.path is not None]
-            changes = any(r.compute_dtype != "float32" or r.quantization_mode for r in rows if not r.is_normalization)
+            # Layers whose ops were kept for a stated reason (normalization, position math) are not misses.
+            changes = any(r.compute_dtype != "float32" or r.quantization_mode for r in rows
+                          if not r.is_normalization and not self.declined_by_layer.get(r.path))
             if entry["key"] is not None and changes and not (entry["ops_retyped"] or entry["ops_quantized"]):
                 lines.append(f"policy map key '{entry['key']}' ({entry['policy']}) reaches {entry['layers']} layer(s)"
                              f" with {entry['ops']} op(s), but changed none of them")
