@@ -411,6 +411,13 @@ def quantizes_convolutions(model: RealModel, which: str) -> bool:
 BLOCK_MIX = frozenset({"gemma"})
 """Models whose blocks combine their sublayers' outputs with plain ops (Gemma's gated feed-forward
 multiplies two projections): Keras raises TypeError when those differ in dtype, so their mix is per block."""
+UNSEEN_CASTS = {
+    ("llama", "mix"): "keras_hub's Llama casts its SiLU gate to the block's compute dtype before multiplying it"
+                      " with the intermediate projection; in a float32 export that cast is float32 to float32,"
+                      " absent from the graph, so a gate layer mapped to float32 inside a bfloat16 block is"
+                      " rounded in Keras where tfpolicy cannot see it (max error 1.16x Keras's, RMS 0.92-0.94x)",
+}
+"""(model, map) pairs where Keras rounds in code a float32 export does not show: in the table, not the tests."""
 KERAS_CANNOT = {
     ("t5", "mix"): "keras_hub's T5 multiplies its gate and input projections and hands the first layer's"
                    " position bias to every other as a plain tensor: Keras raises TypeError when the layers"

@@ -69,6 +69,9 @@ from tfpolicy.passes.float_rules import (
 logger = logging.getLogger(__name__)
 
 
+GATHER_OPS = frozenset({"GatherV2", "ResourceGather"})  # an embedding lookup
+
+
 @dataclasses.dataclass
 class GraphStats:
     """What the pass did to one graph."""
@@ -130,8 +133,9 @@ class FloatPrecisionPass(CastBuilder):
             self._fix_inputs(node)
         for key, ref in list(graph.outputs.items()):
             want = output_dtypes[key]
-            for dtype in self._mean_roundings(ref):
-                ref = self._cast(ref, dtype)
+            for dtype in self._mean_roundings(ref) + self._normalization_returns(ref):  # Keras returns them rounded
+                if graph.tensor_dtype(ref) != dtype:
+                    ref = self._cast(ref, dtype)
             if graph.tensor_dtype(ref) != want:
                 graph.outputs[key] = self._cast(ref, want)
         self._fold_constant_copies()
@@ -321,7 +325,9 @@ class FloatPrecisionPass(CastBuilder):
         for position, ref in list(node.data_inputs()):
             have = self.graph.tensor_dtype(ref)
             want = wants[position]
-            if have in FLOAT_DTYPES and want in FLOAT_DTYPES and (have != want or self._mean_roundings(ref, node)):
+            if have in FLOAT_DTYPES and want in FLOAT_DTYPES and (
+                have != want or self._mean_roundings(ref, node) or self._normalization_returns(ref, node)
+            ):
                 self._note_entry(ref, node, have)
                 for dtype in self._casts_on_the_way(ref, node):
                     if self.graph.tensor_dtype(ref) != dtype and dtype != DT_FLOAT:
@@ -390,14 +396,42 @@ class FloatPrecisionPass(CastBuilder):
         does not leave such a layer.
         """
         layer = self._layer(self.graph.producer(ref))
-        if not self._is_normalization(layer) or (consumer is not None and within(self._layer(consumer), layer)):
+        if layer is None or (consumer is not None and within(self._layer(consumer), layer)):
             return []
+        if not self._is_normalization(layer):
+            return self._embedding_returns(ref, layer)
         compute = self.plan.for_layer(layer).compute_enum
         if compute not in FLOAT_DTYPES or compute == self.graph.tensor_dtype(ref):
             return []
         entered = self._entry_dtypes.get(layer)
         if entered is not None and entered != compute and not self._has_moving_statistics(layer):
             return [entered, compute]
+        return [compute]
+
+    def _embedding_returns(self, ref: TensorRef, layer: Optional[str]) -> list[int]:
+        """``[compute dtype]`` when ``ref`` is the rows an embedding layer gathers from its float32 table.
+
+        The gather follows its table (it casts rows, never the whole table), so
+        the rows leave in float32 where Keras's ``Embedding`` returns them cast
+        to its compute dtype: a float32 consumer (another layer, a signature
+        output) must still see them rounded.
+        """
+        if layer is None:
+            return []
+        producer = self.graph.producer(ref)
+        while producer.op in FOLLOWER_OPS and producer.op not in GATHER_OPS:
+            inputs = list(producer.data_inputs())
+            if not inputs:
+                return []
+            producer = self.graph.producer(inputs[0][1])
+        if producer.op not in GATHER_OPS or self._layer(producer) != layer:
+            return []
+        table = self.graph.producer(dict(producer.data_inputs())[0])
+        if table.op not in VARIABLE_READ_OPS and producer.op == "GatherV2":
+            return []
+        compute = self.plan.for_layer(layer).compute_enum
+        if compute not in FLOAT_DTYPES or compute == self.graph.tensor_dtype(ref):
+            return []
         return [compute]
 
     def _returned_dtype(self, ref: TensorRef) -> int:
