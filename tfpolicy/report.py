@@ -178,14 +178,16 @@ class Report:
         ops changed; a map that changes nothing at all.
         """
         lines = []
+        by_key: dict[Optional[str], list] = {}
         for row in self.plan.rows():
             if row.path is not None and row.variable_count and not row.op_count:
                 lines.append(f"layer '{row.path}' owns {row.variable_count} variable(s) but none of the model's ops"
                              f" could be attributed to it, so its policy ({row.policy}) reaches nothing")
+            if row.path is not None:
+                by_key.setdefault(row.key, []).append(row)
         for entry in self.coverage():
-            rows = [r for r in self.plan.rows() if r.key == entry["key"] and r.path is not None]
             # Layers whose ops were kept for a stated reason (normalization, position math) are not misses.
-            changes = any(r.compute_dtype != "float32" or r.quantization_mode for r in rows
+            changes = any(r.compute_dtype != "float32" or r.quantization_mode for r in by_key.get(entry["key"], [])
                           if not r.is_normalization and not self.declined_by_layer.get(r.path))
             if entry["key"] is not None and changes and not (entry["ops_retyped"] or entry["ops_quantized"]):
                 lines.append(f"policy map key '{entry['key']}' ({entry['policy']}) reaches {entry['layers']} layer(s)"

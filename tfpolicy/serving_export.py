@@ -137,10 +137,8 @@ def export_with_report(
         logger.info("published %s", final)
         return ExportResult(final, chosen, report, len(requests), validation)
     except OSError as exc:
-        line = staging.write_failure(exc, base)
-        if line is None:
-            raise
-        raise OutputError(line) from exc
+        staging.raise_if_write_failure(exc, base)
+        raise
     finally:
         with staging.interrupts_held():  # an interrupt arriving now acts once the clean-up is done
             if base.is_dir():

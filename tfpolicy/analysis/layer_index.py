@@ -371,24 +371,20 @@ def _variable_info(variable: tf.Variable) -> VariableInfo:
 
 
 def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozenset[str]) -> None:
+    """Attribute the signature's ops to layers; what each resource carries is already traced
+    (:func:`_trace_signature_resources`)."""
     key = program.key
-    capture_uids = {
-        name: id(c.variable) for name, c in program.captures.items() if c.variable is not None
-    }
-    # Graphs in caller-before-callee order, with what their arguments carry.
-    # (graph, what its arguments carry, the caller's layer, the caller's node name)
-    queue: collections.deque[tuple[Graph, dict[str, int], Optional[str], str]] = collections.deque()
-    queue.append((program.graph, capture_uids, None, ""))
+    # Graphs in caller-before-callee order: (graph, the caller's layer, the caller's node name).
+    queue: collections.deque[tuple[Graph, Optional[str], str]] = collections.deque()
+    queue.append((program.graph, None, ""))
     visited: set[str] = set()
     learned: dict[str, str] = {}
     model_prefixes: set[tuple[str, ...]] = set()
     while queue:
-        graph, seeds, caller_layer, caller = queue.popleft()
+        graph, caller_layer, caller = queue.popleft()
         if graph.name in visited:
             continue
         visited.add(graph.name)
-        resources = index._resources.get((key, graph.name)) or _trace_resources(graph, seeds)
-        index._resources[(key, graph.name)] = resources
         order = graph.topological_order()
         local: dict[str, str] = {}
         for node in order:
@@ -418,16 +414,8 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
                     layer = None
                 index._node_layer[slot] = layer
             layer = index._node_layer[slot]
-            for callee, offset in _callees(node):
-                if callee in program.functions:
-                    args = [n.name for n in program.functions[callee].nodes.values() if n.op == "_Arg"]
-                    callee_seeds = {}
-                    for position, ref in node.data_inputs():
-                        uid = resources.get(str(ref))
-                        arg_index = position - offset
-                        if uid is not None and 0 <= arg_index < len(args):
-                            callee_seeds[args[arg_index]] = uid
-                    queue.append((program.functions[callee], callee_seeds, layer, node.name))
+            queue.extend((program.functions[callee], layer, node.name)
+                         for callee, _ in _callees(node) if callee in program.functions)
 
 
 # tf-keras wraps a TensorFlow op called on Keras tensors in a TFOpLambda layer

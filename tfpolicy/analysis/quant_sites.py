@@ -308,7 +308,7 @@ def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
         if uid in int4 and (graph.is_function or node.op not in VARIABLE_READS):
             where = f"called function '{graph.name}'" if graph.is_function else f"{node.op} '{node.name}'"
             blocked[uid] = f"its kernel is also used in {where}, which cannot read a packed int4 copy"
-        elif (in_body and uid in int4) or (node.op not in VARIABLE_READS and node.op not in PASS_HANDLES):
+        elif node.op not in VARIABLE_READS and node.op not in PASS_HANDLES:
             what = "a While/If body" if in_body else f"{node.op} '{node.name}'"
             blocked[uid] = f"its kernel is also used by {what}, which cannot read an int8 copy"
     kept, declined = [], []

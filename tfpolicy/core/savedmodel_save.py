@@ -227,10 +227,8 @@ def save_atomically(
     except FileExistsError as exc:
         raise OutputError(f"output '{output_dir}' already exists; pass --overwrite to replace it") from exc
     except (OSError, tf.errors.OpError) as exc:
-        line = staging.write_failure(exc, output_dir)
-        if line is None:
-            raise
-        raise OutputError(line) from exc
+        staging.raise_if_write_failure(exc, output_dir)
+        raise
     finally:
         with staging.interrupts_held():  # an interrupt arriving now acts once the clean-up is done
             if fill is not None:

@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Iterator, Optional
 
+from tfpolicy.errors import OutputError
+
 logger = logging.getLogger(__name__)
 
 STALE_SECONDS = 24 * 3600
@@ -229,3 +231,13 @@ def write_failure(exc: BaseException, output: pathlib.Path) -> Optional[str]:
             return None
     where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
     return f"cannot write output '{output}': {os.strerror(number)}{where}; {_DISK_HINTS[number]} (nothing was written)"
+
+
+def raise_if_write_failure(exc: BaseException, output: pathlib.Path) -> None:
+    """Raise :class:`~tfpolicy.errors.OutputError` (from ``exc``) when ``exc`` is the disk refusing a write.
+
+    Writers call it in their ``except`` and re-raise ``exc`` when it returns: anything else is not the disk's.
+    """
+    line = write_failure(exc, output)
+    if line is not None:
+        raise OutputError(line) from exc

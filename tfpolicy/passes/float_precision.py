@@ -408,7 +408,7 @@ class FloatPrecisionPass(CastBuilder):
             return [entered, compute]
         return [compute]
 
-    def _embedding_returns(self, ref: TensorRef, layer: Optional[str]) -> list[int]:
+    def _embedding_returns(self, ref: TensorRef, layer: str) -> list[int]:
         """``[compute dtype]`` when ``ref`` is the rows an embedding layer gathers from its float32 table.
 
         The gather follows its table (it casts rows, never the whole table), so
@@ -416,8 +416,6 @@ class FloatPrecisionPass(CastBuilder):
         to its compute dtype: a float32 consumer (another layer, a signature
         output) must still see them rounded.
         """
-        if layer is None:
-            return []
         producer = self.graph.producer(ref)
         while producer.op in FOLLOWER_OPS and producer.op not in GATHER_OPS:
             inputs = list(producer.data_inputs())
