@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence, Union
 import tensorflow as tf
 
 from tfpolicy.analysis import index_limits, layer_index, lowering, quant_sites
+from tfpolicy.analysis.calls import call_chains
 from tfpolicy.analysis.plan import Plan
 from tfpolicy.analysis.plan import plan as make_plan
 from tfpolicy.analysis.policy_map import PolicyMap, PolicyMapSource
@@ -26,6 +27,7 @@ from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import PassManager
 from tfpolicy.passes.calibration import CalibrationPass
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
+from tfpolicy.passes.function_args import FunctionArgs
 from tfpolicy.passes.quant_variables import build_variables
 from tfpolicy.passes.quantize import CalibrationTaps, QuantizePass
 from tfpolicy.report import Report, SignatureReport, quantization_rows
@@ -296,17 +298,18 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
         graphs = program.all_graphs()
         float_passes = [FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes) for g in graphs]
         taps = CalibrationTaps()
+        function_args = FunctionArgs(program, call_chains(program.graph, program.functions.values()))
         quantize_passes = [
             QuantizePass(program.key, g, index, qplan, new_variables, constant_scales=g is not program.graph,
-                         lowering=chosen, taps=taps)
+                         lowering=chosen, taps=taps, function_args=function_args)
             for g in (program.graph, *program.functions.values())
         ]
-        calibration = (CalibrationPass(program.key, program.graph, new_variables, taps)
+        calibration = (CalibrationPass(program.key, program.graph, new_variables, taps, function_args)
                        if program.key == calibration_target else None)
         results = PassManager([*float_passes, *quantize_passes, *([calibration] if calibration else [])]).run()
         float_results = [(p.graph, results[p.name].stats) for p in float_passes]
         quantize_results = [results[p.name].stats for p in quantize_passes]
-        captures = dict(quantize_results[0].new_captures)
+        captures = {placeholder: name for q in quantize_results for placeholder, name in q.new_captures.items()}
         if calibration is not None and results[calibration.name].modified:
             calibrated = results[calibration.name].stats
             captures.update(calibrated.new_captures)

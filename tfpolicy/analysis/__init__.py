@@ -12,6 +12,7 @@ consume and ``--explain`` prints.
     kernel_trace   from an op's operand back to the variable it reads, and the layout in between
     quant_sites    which ops int8/int4/float8 quantize, and why others are declined
     quant_records  the frozen records of that analysis (sites, kernels, float8 groups)
+    calls          who calls each While/If body or function, and whether a new input can reach it
     lowering       --target: the form each quantized site takes, and what a target refuses
     index_limits   integer inputs' valid ranges (embedding tables), for generated inputs
 """

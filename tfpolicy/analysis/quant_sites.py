@@ -32,6 +32,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from tfpolicy.analysis.calls import CallChains, call_chains
 from tfpolicy.analysis.kernel_trace import apply_layout, kernel_layout, trace_gather_table, trace_kernel
 from tfpolicy.analysis.layer_index import LayerIndex, VariableInfo
 from tfpolicy.analysis.plan import Plan
@@ -81,6 +82,7 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan, int8_convolutions
     declined: list[Declined] = []
     for program in model.signatures.values():
         bodies = control_flow_bodies(program.all_graphs())
+        chains = call_chains(program.graph, program.functions.values())
         for graph in program.all_graphs():
             for node in graph.nodes.values():
                 layer = index.layer_of(program.key, graph, node)
@@ -90,7 +92,7 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan, int8_convolutions
                 if node.op in ("GatherV2", "ResourceGather") and not _gathers_floats(node):
                     continue  # a shape or index lookup, not an embedding
                 found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index, bodies,
-                               layer_plan.block_size, int8_convolutions)
+                               layer_plan.block_size, int8_convolutions, chains)
                 if isinstance(found, Site):
                     found = dataclasses.replace(found, compute_dtype=layer_plan.compute_enum)
                 (sites if isinstance(found, Site) else declined).append(found)
@@ -129,14 +131,17 @@ def control_flow_bodies(graphs: list[Graph]) -> frozenset[str]:
 
 
 def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, index: LayerIndex,
-           bodies: frozenset[str] = frozenset(), block_size: "int | None" = None, int8_convolutions: bool = False):
+           bodies: frozenset[str] = frozenset(), block_size: "int | None" = None, int8_convolutions: bool = False,
+           chains: Optional[CallChains] = None):
     def decline(reason: str) -> Declined:
         return Declined(layer, mode, node.name, node.op, reason)
 
-    if graph.is_function and graph.name in bodies and mode != "int8":
-        return decline("inside a While/If body, whose signature cannot take new variables")
-    if graph.is_function and mode == "float8":
-        return decline("float8 inside a called function, whose signature cannot take the calibrated scale variables")
+    if graph.is_function and mode == "float8":  # its scales are passed in as new arguments
+        problem = chains.problem(graph.name) if chains is not None else "no call chain is known"
+        if problem is not None:
+            return decline(f"float8 inside a called function its scale variables cannot reach: {problem}")
+    if graph.is_function and graph.name in bodies and mode == "int4":
+        return decline("inside a While/If body, whose signature cannot take the packed kernel")
     if graph.is_function and node.op in ("GatherV2", "ResourceGather"):
         return decline("an embedding lookup inside a called function, whose signature cannot take the scale variable")
     if mode == "float8" and node.op not in FLOAT8_KINDS:
@@ -274,6 +279,7 @@ def _variable_uses(model: LoadedModel, index: LayerIndex) -> Iterator[tuple[Grap
     """Every (graph, node, uid, in a While/If body) where a node takes a variable's handle."""
     for program in model.signatures.values():
         bodies = control_flow_bodies(program.all_graphs())
+        chains = call_chains(program.graph, program.functions.values())
         for graph in program.all_graphs():
             for node in graph.nodes.values():
                 if node.op in ("Identity", "IdentityN"):

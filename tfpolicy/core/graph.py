@@ -97,6 +97,16 @@ class Graph:
                 self._uses.setdefault(str(used), []).append((node.name, position))
         return node
 
+    def copy(self, name: str) -> "Graph":
+        """A function graph with this one's nodes (attributes copied), outputs and arguments, named ``name``."""
+        copy = Graph(name, library=self.library, is_function=True)
+        for node in self.nodes.values():
+            copy.nodes[node.name] = Node(node.name, node.op, list(node.inputs),
+                                         {k: tf_names.copy_attr(v) for k, v in node.attrs.items()}, node.device)
+        copy.outputs = dict(self.outputs)
+        copy.arg_handle_dtypes = dict(self.arg_handle_dtypes)
+        return copy
+
     # -- queries -------------------------------------------------------------
 
     def producer(self, ref: TensorRef) -> Node:
@@ -232,6 +242,14 @@ class Graph:
                 return
             seen += 1
         raise IndexError(f"node '{consumer.name}' has no data input {position}")
+
+    def append_input(self, consumer: Node, new: TensorRef) -> None:
+        """A new last data input of ``consumer`` (before its control inputs)."""
+        data = [text for text in consumer.inputs if not text.startswith("^")]
+        controls = [text for text in consumer.inputs if text.startswith("^")]
+        consumer.inputs[:] = [*data, str(new), *controls]
+        if self._uses is not None:
+            self._uses.setdefault(str(new), []).append((consumer.name, len(data)))
 
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> None:
         for consumer, position in self.uses(old):

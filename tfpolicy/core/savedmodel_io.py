@@ -55,6 +55,15 @@ class SignatureProgram:
     def all_graphs(self) -> list[Graph]:
         return [self.graph, *self.functions.values()]
 
+    def add_function_copy(self, function: str, name: str) -> Graph:
+        """A new library function ``name`` with ``function``'s body and signature, to edit apart from it."""
+        fdef = function_pb2.FunctionDef()
+        fdef.CopyFrom(self.function_defs[function])
+        fdef.signature.name = name
+        self.function_defs[name] = fdef
+        self.functions[name] = self.functions[function].copy(name)
+        return self.functions[name]
+
 
 @dataclasses.dataclass
 class LoadedModel:

@@ -67,7 +67,25 @@ def graph_to_function_def(graph: Graph, original: function_pb2.FunctionDef, new_
             nd.attr[k].CopyFrom(v)
     for key, ref in graph.outputs.items():
         fdef.ret[key] = tf_names.flat_to_function_input(str(ref), layout, arg_names)
+    _extend_signature(graph, fdef)
     return fdef
+
+
+def _extend_signature(graph: Graph, fdef: function_pb2.FunctionDef) -> None:
+    """Arguments and results a pass added to the function (a value passed down a call) join its signature."""
+    known = {arg.name for arg in fdef.signature.input_arg}
+    args = sorted((n for n in graph.nodes.values() if n.op == "_Arg"), key=lambda n: n.attrs["index"].i)
+    for node in args:
+        if node.name not in known:
+            fdef.signature.input_arg.add(name=node.name, type=node.attrs["T"].type)
+    shapes = fdef.attr.get("_input_shapes")
+    if shapes is not None:
+        while len(shapes.list.shape) < len(args):
+            shapes.list.shape.add()  # a scalar: a resource handle or a running maximum
+    known = {arg.name for arg in fdef.signature.output_arg}
+    for key, ref in graph.outputs.items():
+        if key not in known:
+            fdef.signature.output_arg.add(name=key, type=graph.tensor_dtype(ref))
 
 
 # ---------------------------------------------------------------------------

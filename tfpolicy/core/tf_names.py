@@ -97,6 +97,19 @@ def shape_list_attr(shapes: Sequence[Optional[Sequence[int]]]) -> attr_value_pb2
     return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(shape=[_shape_proto(s) for s in shapes]))
 
 
+def copy_attr(value: attr_value_pb2.AttrValue) -> attr_value_pb2.AttrValue:
+    copy = attr_value_pb2.AttrValue()
+    copy.CopyFrom(value)
+    return copy
+
+
+def renamed_func_attr(value: attr_value_pb2.AttrValue, name: str) -> attr_value_pb2.AttrValue:
+    """A copy of function attribute ``value`` that names function ``name``."""
+    copy = copy_attr(value)
+    copy.func.name = name
+    return copy
+
+
 def numpy_dtype(dtype: int):
     """The numpy dtype of a DataType enum (``bfloat16`` and float8 through ml_dtypes)."""
     import tensorflow as tf  # noqa: PLC0415

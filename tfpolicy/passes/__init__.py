@@ -21,6 +21,7 @@ the results by pass name, so adding a pass moves nothing::
     float8_rounding   rounding to float8 in float32 bit arithmetic (off the GPU)
     quant_variables   the variables quantization adds, and their values
     builder           node helpers and reads of new variables, shared through the graph
+    function_args     new variables passed down into While/If bodies; a maximum carried out
     calibration       float8's delayed-scaling update, for tfpolicy.calibrate,
                       from the taps the quantize pass declares (CalibrationTaps)
 """

@@ -14,6 +14,8 @@ saving binds each to the new ``tf.Variable``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import tensorflow as tf
 
@@ -22,15 +24,20 @@ from tfpolicy.core.graph import Graph
 from tfpolicy.core.tf_names import DT_INT32, DT_RESOURCE, AttrValue, TensorRef, bool_attr, int_attr
 from tfpolicy.core.tf_names import numpy_dtype, shape_attr, shape_list_attr, type_attr, type_list_attr
 
+if TYPE_CHECKING:
+    from tfpolicy.passes.function_args import FunctionArgs
+
 CAPTURE_SCOPE = "tfpolicy"
 
 
 class GraphBuilder:
     """Node helpers over ``graph``; ``variables`` are the new variables by name."""
 
-    def __init__(self, graph: Graph, variables: dict[str, NewVariable], constant_scales: bool = False) -> None:
+    def __init__(self, graph: Graph, variables: dict[str, NewVariable], constant_scales: bool = False,
+                 function_args: "FunctionArgs | None" = None) -> None:
         self.graph, self.variables = graph, variables
         self.constant_scales = constant_scales
+        self.function_args = function_args
         self.new_captures: dict[str, str] = {}  # placeholder -> variable name
         self._reads: dict[str, TensorRef] = {}
         self._scales: dict[tuple[str, int], TensorRef] = {}
@@ -72,31 +79,45 @@ class GraphBuilder:
                        N=int_attr(2), T=type_attr(DT_INT32), Tidx=type_attr(DT_INT32))
 
     def handle(self, name: str) -> str:
-        """The resource placeholder of new variable ``name`` in this graph."""
-        placeholder = f"{CAPTURE_SCOPE}/{name}"
-        if placeholder not in self.graph.nodes:
-            variable = self.variables[name]
-            self.graph.add_node("Placeholder", placeholder, [], {
-                "dtype": type_attr(DT_RESOURCE),
-                "shape": shape_attr([]),
-                "_handle_dtypes": type_list_attr([variable.dtype]),
-                "_handle_shapes": shape_list_attr([variable.shape]),
-            })
-            self.new_captures[placeholder] = name
-        return placeholder
+        """The resource placeholder of new variable ``name`` in this graph.
 
-    def read(self, name: str) -> TensorRef:
+        In a called function, the handle of the top-level graph's placeholder,
+        passed down as a new argument (:mod:`tfpolicy.passes.function_args`).
+        """
+        placeholder = f"{CAPTURE_SCOPE}/{name}"
+
+        def make(graph: Graph) -> str:
+            if placeholder not in graph.nodes:
+                variable = self.variables[name]
+                graph.add_node("Placeholder", placeholder, [], {
+                    "dtype": type_attr(DT_RESOURCE),
+                    "shape": shape_attr([]),
+                    "_handle_dtypes": type_list_attr([variable.dtype]),
+                    "_handle_shapes": shape_list_attr([variable.shape]),
+                })
+                self.new_captures[placeholder] = name
+            return placeholder
+
+        if self.graph.is_function:
+            if self.function_args is None:
+                raise ValueError(f"new variable '{name}' read in function '{self.graph.name}' with no way to pass it in")
+            top = self.function_args.top
+            return self.function_args.handle(self.graph, placeholder, lambda: make(top))
+        return make(self.graph)
+
+    def read(self, name: str, constant_ok: bool = True) -> TensorRef:
         """One ``ReadVariableOp`` of new variable ``name`` per graph.
 
-        In a called function (``constant_scales``), whose signature cannot take
-        a new variable, an int8 scale (fixed by the weights) is a Const instead.
+        In a called function (``constant_scales``), an int8 scale (fixed by the
+        weights) is a Const instead, unless ``constant_ok`` is false (a float8
+        input scale, which calibration sets after this graph is built).
         """
         if name in self._reads:
             return self._reads[name]
         constant, read = f"{CAPTURE_SCOPE}/{name}/value", f"{CAPTURE_SCOPE}/{name}/read"
         if constant in self.graph.nodes or read in self.graph.nodes:  # an earlier pass's
             self._reads[name] = TensorRef(constant if constant in self.graph.nodes else read)
-        elif self.constant_scales:
+        elif self.constant_scales and constant_ok:
             self._reads[name] = self.const(constant, self.variables[name].value, self.variables[name].dtype)
         else:
             handle = self.handle(name)
@@ -104,11 +125,12 @@ class GraphBuilder:
             self._reads[name] = TensorRef(node.name)
         return self._reads[name]
 
-    def scale_as(self, name: str, dtype: int) -> TensorRef:
+    def scale_as(self, name: str, dtype: int, constant_ok: bool = True) -> TensorRef:
         """A float32 scale variable's value in ``dtype`` (one Cast per graph and dtype)."""
         key = (name, dtype)
         if key not in self._scales:
-            ref = self.read(name)
+            ref = self.read(name, constant_ok)
             cast = f"{ref.node}/to_{tf.dtypes.as_dtype(dtype).name}"
             self._scales[key] = TensorRef(cast) if cast in self.graph.nodes else self.cast(ref, dtype, cast)
         return self._scales[key]
+

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from tfpolicy.core.assemble import NewVariable
 from tfpolicy.core.graph import Graph
@@ -31,6 +31,7 @@ from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.passes import PassResult
 from tfpolicy.passes.builder import CAPTURE_SCOPE, GraphBuilder
+from tfpolicy.passes.function_args import FunctionArgs
 from tfpolicy.passes.quant_variables import F32, FLOAT8_E4M3_MAX, INT32
 
 logger = logging.getLogger(__name__)
@@ -50,18 +51,28 @@ class CalibrationResult:
 class CalibrationPass:
     """Add ``tfpolicy.calibrate``'s update ops to ``graph`` for the float8 inputs in ``taps``."""
 
-    def __init__(self, signature: str, graph: Graph, variables: dict[str, NewVariable], taps: Iterable) -> None:
+    def __init__(self, signature: str, graph: Graph, variables: dict[str, NewVariable], taps: Iterable,
+                 function_args: Optional[FunctionArgs] = None) -> None:
         self.name = f"calibration[{signature}]"
         self.graph, self.taps = graph, taps
         self.builder = GraphBuilder(graph, variables)
+        self.function_args = function_args
 
     def run(self) -> PassResult[CalibrationResult]:
-        outputs = add_calibration_outputs(self.builder, list(self.taps))
+        outputs = add_calibration_outputs(self.builder, list(self.taps), self.function_args)
         return PassResult(bool(outputs), stats=CalibrationResult(outputs, dict(self.builder.new_captures)))
 
 
-def add_calibration_outputs(qpass: GraphBuilder, taps: Sequence) -> dict[str, TensorRef]:
-    """Add the update ops for every float8 group tapped in ``qpass``'s graph; the new scales by name."""
+def add_calibration_outputs(qpass: GraphBuilder, taps: Sequence,
+                            function_args: Optional[FunctionArgs] = None) -> dict[str, TensorRef]:
+    """Add the update ops for every float8 group tapped in ``qpass``'s graph; the new scales by name.
+
+    A tap inside a While/If body is measured in a copy of its calling chain
+    and comes out as its maximum over the loop's iterations
+    (:meth:`~tfpolicy.passes.function_args.FunctionArgs.lift_max`): a layer
+    called in a loop rolls one history entry per batch, as one called at
+    several places does.
+    """
     by_group: dict[str, list] = {}
     for tap in taps:
         by_group.setdefault(tap.group.prefix, []).append(tap)
@@ -72,7 +83,12 @@ def add_calibration_outputs(qpass: GraphBuilder, taps: Sequence) -> dict[str, Te
         base = f"{CAPTURE_SCOPE}/calibrate/{prefix}"
         amax = None
         for i, tap in enumerate(taps):
-            one = _tensor_amax(qpass, tap.tensor, f"{base}/amax_{i}")
+            if tap.graph is qpass.graph:
+                one = _tensor_amax(qpass, tap.tensor, f"{base}/amax_{i}")
+            else:
+                def measure(where: Graph, tap=tap, i=i) -> TensorRef:
+                    return _tensor_amax(GraphBuilder(where, qpass.variables), tap.tensor, f"{base}/amax_{i}")
+                one = function_args.lift_max(tap.graph, measure)
             amax = one if amax is None else qpass.op("Maximum", f"{base}/amax_max_{i}", [amax, one], T=_type(F32))
         outputs[group.name("inputs_scale")] = _update(qpass, group.name("inputs_amax_history"),
                                                       group.name("inputs_scale"), amax, base)
@@ -114,9 +130,11 @@ def _update(qpass: GraphBuilder, history_name: str, scale_name: str, amax: Tenso
     factor = qpass.op("SelectV2", f"{base}/if_positive", [positive, factor, inverse_old], T=f32)
     factor = qpass.op("SelectV2", f"{base}/if_finite", [finite, factor, inverse_old], T=f32)
     new_scale = qpass.op("Reciprocal", f"{base}/scale", [factor], T=f32)
-    assign_scale = qpass.graph.add_node(
+    handle = qpass.handle(scale_name)
+    readers = sorted({old.node, *(consumer for consumer, _ in qpass.graph.uses(TensorRef(handle)))})
+    assign_scale = qpass.graph.add_node(  # after every read, a loop's that reads it in its body too
         "AssignVariableOp", f"{base}/assign_scale",
-        [qpass.handle(scale_name), str(new_scale), f"^{old.node}"],
+        [handle, str(new_scale), *(f"^{name}" for name in readers)],
         {"dtype": f32, "validate_shape": _bool(False)},
     )
     after = qpass.graph.add_node(

@@ -62,6 +62,7 @@ from tfpolicy.core.tf_names import string_attr as _str
 from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.passes import PassResult
 from tfpolicy.passes.float8_rounding import clip_and_round_to_float8
+from tfpolicy.passes.function_args import FunctionArgs
 from tfpolicy.passes.int4 import Int4Rewrites
 from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the formulas' constants, the variables)
     EPSILON,
@@ -90,6 +91,7 @@ class CalibrationTap:
 
     group: Float8Group
     tensor: TensorRef
+    graph: Graph  # the top-level graph, or the function the tensor is in
 
 
 class CalibrationTaps:
@@ -99,8 +101,8 @@ class CalibrationTaps:
     def __init__(self) -> None:
         self._taps: dict[tuple[str, str], CalibrationTap] = {}
 
-    def add(self, group: Float8Group, tensor: TensorRef) -> None:
-        self._taps.setdefault((group.prefix, str(tensor)), CalibrationTap(group, tensor))
+    def add(self, group: Float8Group, tensor: TensorRef, graph: Graph) -> None:
+        self._taps.setdefault((group.prefix, graph.name, str(tensor)), CalibrationTap(group, tensor, graph))
 
     def __iter__(self):
         return iter(list(self._taps.values()))
@@ -135,8 +137,9 @@ class QuantizePass(Int4Rewrites):
         constant_scales: bool = False,
         lowering: Optional[Lowering] = None,
         taps: Optional[CalibrationTaps] = None,
+        function_args: Optional[FunctionArgs] = None,
     ) -> None:
-        super().__init__(graph, variables, constant_scales)
+        super().__init__(graph, variables, constant_scales, function_args)
         self.name = f"quantize[{signature}:{graph.name}]"
         self.signature, self.index, self.qplan = signature, index, qplan
         self.taps = taps if taps is not None else CalibrationTaps()
@@ -195,12 +198,15 @@ class QuantizePass(Int4Rewrites):
     # -- variables -------------------------------------------------------------------
 
     def _retype_kernel_arguments(self) -> None:
-        """A called function's resource arguments that now carry int8 kernels say so."""
+        """A called function's resource arguments that now carry int8 (or stored float8) kernels say so."""
+        stored = self._stored_float8_kernels()
         for node in self.graph.nodes.values():
             if node.op == "_Arg":
                 uid = self.index.variable_of(self.signature, self.graph, TensorRef(node.name))
                 if uid in self.qplan.int8_kernels:
                     self.graph.arg_handle_dtypes[node.attrs["index"].i] = INT8
+                elif uid in stored:
+                    self.graph.arg_handle_dtypes[node.attrs["index"].i] = stored[uid].storable_dtype
 
     # -- int8 ------------------------------------------------------------------------
 
@@ -534,13 +540,13 @@ class QuantizePass(Int4Rewrites):
             if key not in self._qdq:
                 self._qdq[key] = self._float8_qdq(x, scale_name, f"{site.node}/tfpolicy/{kind}_float8")
                 if kind == "inputs":  # kernel scales come from the weights
-                    self.taps.add(group, x)
+                    self.taps.add(group, x, self.graph)
             self.graph.replace_input(node, position, self._qdq[key])
 
     def _float8_qdq(self, x: TensorRef, scale_name: str, base: str) -> TensorRef:
         dtype = self.graph.tensor_dtype(x)
         T = _type(dtype)
-        scale = self.scale_as(scale_name, dtype)
+        scale = self.scale_as(scale_name, dtype, constant_ok=False)
         divided = self.op("RealDiv", f"{base}/divide", [x, scale], T=T)
         if self.lowering.float8_rounding == "cast":
             clipped = self.op("ClipByValue", f"{base}/clip", [

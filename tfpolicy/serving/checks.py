@@ -216,10 +216,15 @@ class CheckInputs:
     def for_specs(self, key: str, specs: Mapping[str, tf.TensorSpec]) -> dict[str, np.ndarray]:
         given = self.data.get(key)
         if given is not None and set(given) == set(specs):
-            return {name: np.asarray(value)[:CHECK_BATCH] for name, value in given.items()}
+            return {name: _first_rows(np.asarray(value)) for name, value in given.items()}
         return inputs.generate_for_specs(
             specs, batch=CHECK_BATCH, seed=self.seed, integer_limits=self.integer_limits.get(key)
         )
+
+
+def _first_rows(value: np.ndarray) -> np.ndarray:
+    """The first ``CHECK_BATCH`` rows of a batched input; a scalar input (a step count) as it is."""
+    return value[:CHECK_BATCH] if value.ndim else value
 
 
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
