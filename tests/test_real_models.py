@@ -42,7 +42,7 @@ _CNN_MAPS = {"resnet50": ("bf16", "int8conv"), "mobilenetv3small": tuple(m for m
 # Mixtral's random-weight router flips experts on the smallest rounding, so its errors measure chaos, not
 # precision (int8 68% error, in Keras too; one batch's ratio says little of the next): the table only.
 _SECOND_WAVE_MAPS = {"t5": ("bf16", "int8", "float8"), "deberta": ("bf16", "int8"), "gemma": ("bf16", "float8"),
-                     "whisper": ("bf16",), "mixtral": (), "decoding_loop": ("bf16", "int8")}
+                     "whisper": ("bf16", "mix"), "mixtral": (), "decoding_loop": ("bf16", "int8")}
 _MAPS = {**_CNN_MAPS, **_SECOND_WAVE_MAPS}
 CASES = [(model, which) for model in realmodels.MODELS for which in _MAPS.get(model, realmodels.MAPS)
          if (which != "int8conv" or model in _CNN_MAPS)
@@ -147,6 +147,18 @@ def test_mixed_bfloat16_is_keras_bit_for_bit(real_zoo, tmp_path, name):
     """Where tfpolicy's op sequence is Keras's, the outputs are Keras's exactly."""
     model = real_zoo.get(name)
     plain = realmodels.policy_map(model, "bf16")
+    tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", plain, serving_checks=False)
+    y_tool = realmodels.run_saved_model(tmp_path / "out", model.inputs)
+    y_keras = realmodels.keras_native(model, plain)
+    for key, got in y_tool.items():
+        np.testing.assert_array_equal(got, y_keras[key])
+
+
+def test_an_op_between_layers_in_a_tensorflow_scope_keeps_its_inputs_dtype(real_zoo, tmp_path):
+    """keras_hub's Whisper applies GELU between layers, in TensorFlow's ``Gelu_1`` scope (no layer's call):
+    after a float32 convolution in a bfloat16 model it runs in float32, as in Keras, bit for bit."""
+    model = real_zoo.get("whisper")
+    plain = {"default_policy": "mixed_bfloat16", "policy_map": {"encoder_token_embedding_conv_layer_2": "float32"}}
     tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", plain, serving_checks=False)
     y_tool = realmodels.run_saved_model(tmp_path / "out", model.inputs)
     y_keras = realmodels.keras_native(model, plain)

@@ -407,7 +407,7 @@ def _index_signature(index: LayerIndex, program: SignatureProgram, known: frozen
                 if layer is not None and layer not in known and _TRAILING_NUMBERS.sub("", layer) in pathless_layer_names():
                     index.pathless_scopes[layer] += 1
                     layer = None
-                elif (layer is None and _in_model_scope(_owning_op_name(graph, node.name), model_prefixes)) or (
+                elif (layer is None and _in_model_scope(_owning_op_name(graph, node.name, model_prefixes), model_prefixes)) or (
                     layer is not None and layer not in known and layer.startswith(TF_OP_LAYER_PREFIX)
                 ):
                     index._between_layers.add(slot)
@@ -438,23 +438,27 @@ def _layer_for(node: Node, scopes, caller_layer, caller: str, model_prefixes, kn
             return path
     if caller_layer is not None or (caller and node.name.startswith(caller + "/")):
         return caller_layer  # a body traced in its caller's scope (``while/cond/mul`` under If ``while/cond``)
-    name = _owning_op_name(graph, node.name)
+    name = _owning_op_name(graph, node.name, model_prefixes)
     if name != node.name and not _scope_components(name):
         return None  # the helper of an op at the top of the graph (``while/maximum_iterations``)
     return normalize_scope(name, model_prefixes, known)
 
 
-def _owning_op_name(graph: Graph, op_name: str) -> str:
+def _owning_op_name(graph: Graph, op_name: str, model_prefixes=frozenset()) -> str:
     """The op whose own name scope ``op_name`` sits in, else ``op_name``.
 
     A TensorFlow op's Python wrapper makes its helpers in a scope named as the
     op (``strided_slice/stack`` beside ``strided_slice``, ``zeros/Const`` beside
-    ``zeros``, ``while/maximum_iterations`` beside ``while``): they belong where
-    the op is, and their scope is no layer.
+    ``zeros``, ``while/maximum_iterations`` beside ``while``), or names its
+    scope after the op in CamelCase with no op of that name (``tf.nn.gelu``'s
+    ``Gelu_1/mul``, not a model's scope): they belong where the op is, and
+    their scope is no layer.
     """
     components = op_name.split("/")[:-1]
     owner = op_name
-    while components and ("/".join(components) in graph.nodes or _TENSOR_ARRAY_SCOPE.fullmatch(components[-1])):
+    while components and ("/".join(components) in graph.nodes or _TENSOR_ARRAY_SCOPE.fullmatch(components[-1])
+                          or (_OP_WRAPPER_SCOPE.fullmatch(components[-1])
+                              and tuple(c for c in components if not CALL_WRAPPER.fullmatch(c)) not in model_prefixes)):
         owner = "/".join(components)
         components = components[:-1]
     return owner
@@ -462,6 +466,9 @@ def _owning_op_name(graph: Graph, op_name: str) -> str:
 
 # tf.TensorArray's methods scope their ops without an op of that name (``TensorArrayV2Stack/TensorListStack``).
 _TENSOR_ARRAY_SCOPE = re.compile(r"TensorArrayV2[A-Za-z]*(_\d+)?")
+# TensorFlow's Python wrappers name their scope after the op in CamelCase, uniquified on reuse
+# (``tf.nn.gelu`` -> ``Gelu``, ``Gelu_1``); Keras's layer names are snake_case.
+_OP_WRAPPER_SCOPE = re.compile(r"[A-Z][a-z0-9]+([A-Z][a-z0-9]*)*(_\d+)?")
 
 
 def _in_model_scope(op_name: str, model_prefixes) -> bool:
