@@ -115,3 +115,20 @@ def test_int4_inside_the_loop_is_declined_with_a_reason(decoder, tmp_path):
     declined = report.quantization["head"].declined
     assert list(declined) == ["inside a While/If body, whose signature cannot take the packed kernel"]
     assert all(s.tf1_ran for s in report.serving_checks.signatures)
+
+
+def test_call_chains_say_which_functions_a_new_input_can_reach(decoder):
+    from tfpolicy.analysis.calls import WHILE_OPS, call_chains
+    from tfpolicy.core import savedmodel_io
+
+    program = savedmodel_io.load(decoder, ["serving_default"]).signatures["serving_default"]
+    chains = call_chains(program.graph, program.functions.values())
+    (loop,) = [n for n in program.graph.nodes.values() if n.op in WHILE_OPS]
+    body, cond = loop.attrs["body"].func.name, loop.attrs["cond"].func.name
+    branches = [f for f in program.functions if f not in (body, cond)]
+    assert len(branches) == 2 and all(chains.problem(f) is None for f in (body, cond, *branches))
+    assert chains.caller(body).node == loop.name and chains.conditions == {cond}
+    program.graph.add_node(loop.op, "second_loop", list(loop.inputs), dict(loop.attrs))  # the body, called twice
+    chains = call_chains(program.graph, program.functions.values())
+    assert chains.problem(body) == f"function '{body}' has 2 callers"
+    assert chains.problem(branches[0]) == f"function '{body}' has 2 callers"  # the If inside it cannot be reached

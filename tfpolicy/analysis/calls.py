@@ -44,6 +44,7 @@ class CallChains:
 
     callers: dict[str, list[Caller]]
     unsupported: dict[str, str]  # function -> how it is called, where no argument can be added
+    conditions: frozenset[str] = frozenset()  # While conditions: they return one bool, nothing else
 
     def caller(self, function: str) -> Caller:
         """The one caller of ``function`` (:meth:`problem` is ``None`` for it)."""
@@ -67,13 +68,16 @@ class CallChains:
 def call_chains(top: Graph, functions: Iterable[Graph]) -> CallChains:
     callers: dict[str, list[Caller]] = {}
     unsupported: dict[str, str] = {}
+    conditions: set[str] = set()
     for graph in (top, *functions):
         for node in graph.nodes.values():
             for name in _called(node, CALLING_OPS.get(node.op, ())):
                 callers.setdefault(name, []).append(Caller(graph.name, node.name))
+            if node.op in WHILE_OPS:
+                conditions.update(_called(node, ("cond",)))
             for name in _called(node, _OTHER_FUNCTION_ATTRS) + _called_by_name(node, graph):
                 unsupported[name] = f"function '{name}' is called by {node.op} '{node.name}'"
-    return CallChains(callers, unsupported)
+    return CallChains(callers, unsupported, frozenset(conditions))
 
 
 def _called(node: Node, attrs: Iterable[str]) -> list[str]:

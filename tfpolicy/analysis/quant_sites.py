@@ -138,6 +138,8 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
 
     if graph.is_function and mode == "float8":  # its scales are passed in as new arguments
         problem = chains.problem(graph.name) if chains is not None else "no call chain is known"
+        if chains is not None and graph.name in chains.conditions:
+            problem = "a While loop's condition returns only its bool, so calibration cannot measure it"
         if problem is not None:
             return decline(f"float8 inside a called function its scale variables cannot reach: {problem}")
     if graph.is_function and graph.name in bodies and mode == "int4":
