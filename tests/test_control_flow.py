@@ -109,12 +109,23 @@ def test_a_float8_layer_inside_the_loop_is_quantized_and_calibrated_as_outside_i
         assert np.abs(got_looped[key] - reference[key]).max() > 1e-4 * np.abs(reference[key]).max(), key
 
 
-def test_int4_inside_the_loop_is_declined_with_a_reason(decoder, tmp_path):
-    plain = {"default_policy": "mixed_bfloat16", "policy_map": {"head": "int4_from_mixed_bfloat16"}}
-    report = tfpolicy.rewrite(decoder, tmp_path / "out", plain, signatures=["serving_default"])
-    declined = report.quantization["head"].declined
-    assert list(declined) == ["inside a While/If body, whose signature cannot take the packed kernel"]
-    assert all(s.tf1_ran for s in report.serving_checks.signatures)
+@pytest.mark.parametrize("target", [None, "gpu"])
+def test_int4_layers_inside_the_loop_are_quantized_as_outside_it(decoder, tmp_path, target):
+    """The packed kernel takes the original's place, so the loop passes it as it passed the float one; its
+    scales (and a blocked kernel's zero points) are passed in as variables: grappler would turn a division
+    by a constant into a product with its reciprocal, which rounds differently."""
+    int4 = {"default_policy": "mixed_bfloat16",
+            "policy_map": {"cell": "int4/8_from_mixed_bfloat16", "head": "int4_from_mixed_bfloat16"}}
+    report = tfpolicy.rewrite(decoder, tmp_path / "out", int4, target=target)
+    assert {path: q.ops_quantized for path, q in report.quantization.items()} == {"cell": 1 + STEPS, "head": 1 + STEPS}
+    assert not [w for w in report.warnings if "declined" in w]
+    assert all(s.tf1_ran and s.xla_compiles for s in report.serving_checks.signatures)
+    got_looped, got_unrolled = _run(tmp_path / "out", STATE)
+    reference, _ = _run(decoder, STATE)
+    for key in ("logits", "state"):
+        if target != "gpu":  # XLA fuses the unrolled and looped graphs differently
+            np.testing.assert_array_equal(got_looped[key], got_unrolled[key])
+        assert np.abs(got_looped[key] - reference[key]).max() > 1e-4 * np.abs(reference[key]).max(), key
 
 
 def test_call_chains_say_which_functions_a_new_input_can_reach(decoder):

@@ -136,20 +136,16 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
     def decline(reason: str) -> Declined:
         return Declined(layer, mode, node.name, node.op, reason)
 
-    if graph.is_function and mode == "float8":  # its scales are passed in as new arguments
+    if graph.is_function and mode in ("float8", "int4"):  # its scales are passed in as new arguments
         problem = chains.problem(graph.name) if chains is not None else "no call chain is known"
-        if chains is not None and graph.name in chains.conditions:
+        if chains is not None and graph.name in chains.conditions and mode == "float8":
             problem = "a While loop's condition returns only its bool, so calibration cannot measure it"
         if problem is not None:
-            return decline(f"float8 inside a called function its scale variables cannot reach: {problem}")
-    if graph.is_function and graph.name in bodies and mode == "int4":
-        return decline("inside a While/If body, whose signature cannot take the packed kernel")
+            return decline(f"{mode} inside a called function its scale variables cannot reach: {problem}")
     if graph.is_function and node.op in ("GatherV2", "ResourceGather"):
         return decline("an embedding lookup inside a called function, whose signature cannot take the scale variable")
     if mode == "float8" and node.op not in FLOAT8_KINDS:
         return decline(f"float8 applies to matmul and einsum ops, not {node.op}")
-    if mode == "int4" and graph.is_function:
-        return decline("int4 inside a called function, whose signature cannot take the packed kernel")
     if mode == "int4" and node.op not in FLOAT8_KINDS | {"GatherV2", "ResourceGather"}:
         return decline(f"Keras quantizes int4 in Dense, EinsumDense and Embedding layers; no int4 {node.op}")
     if mode == "int8" and node.op in CONVOLUTION_OPS and not int8_convolutions:
@@ -313,12 +309,10 @@ def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
     for graph, node, uid, in_body in _variable_uses(model, index):
         if uid not in int8_axes or uid in blocked:
             continue
-        if uid in int4 and (graph.is_function or node.op not in VARIABLE_READS):
-            where = f"called function '{graph.name}'" if graph.is_function else f"{node.op} '{node.name}'"
-            blocked[uid] = f"its kernel is also used in {where}, which cannot read a packed int4 copy"
-        elif node.op not in VARIABLE_READS and node.op not in PASS_HANDLES:
+        if node.op not in VARIABLE_READS and node.op not in PASS_HANDLES:
             what = "a While/If body" if in_body else f"{node.op} '{node.name}'"
-            blocked[uid] = f"its kernel is also used by {what}, which cannot read an int8 copy"
+            copy = "a packed int4 copy" if uid in int4 else "an int8 copy"
+            blocked[uid] = f"its kernel is also used by {what}, which cannot read {copy}"
     kept, declined = [], []
     for site in sites:
         reason = blocked.get(site.variable_uid) if site.mode in INTEGER_MODES else None

@@ -110,20 +110,27 @@ class GraphBuilder:
 
         In a called function (``constant_scales``), an int8 scale (fixed by the
         weights) is a Const instead, unless ``constant_ok`` is false (a float8
-        input scale, which calibration sets after this graph is built).
+        input scale, which calibration sets after this graph is built; a
+        divisor, which grappler would turn into a product with its reciprocal)
+        and the variable's handle can be passed in.
         """
         if name in self._reads:
             return self._reads[name]
         constant, read = f"{CAPTURE_SCOPE}/{name}/value", f"{CAPTURE_SCOPE}/{name}/read"
         if constant in self.graph.nodes or read in self.graph.nodes:  # an earlier pass's
             self._reads[name] = TensorRef(constant if constant in self.graph.nodes else read)
-        elif self.constant_scales and constant_ok:
+        elif self.constant_scales and (constant_ok or not self._can_pass_in()):
             self._reads[name] = self.const(constant, self.variables[name].value, self.variables[name].dtype)
         else:
             handle = self.handle(name)
             node = self.graph.add_node("ReadVariableOp", read, [handle], {"dtype": type_attr(self.variables[name].dtype)})
             self._reads[name] = TensorRef(node.name)
         return self._reads[name]
+
+    def _can_pass_in(self) -> bool:
+        """Whether a new variable's handle can reach this graph (see :mod:`tfpolicy.passes.function_args`)."""
+        args = self.function_args
+        return not self.graph.is_function or (args is not None and args.chains.problem(self.graph.name) is None)
 
     def scale_as(self, name: str, dtype: int, constant_ok: bool = True) -> TensorRef:
         """A float32 scale variable's value in ``dtype`` (one Cast per graph and dtype)."""

@@ -155,7 +155,7 @@ class Int4Rewrites(GraphBuilder):
         base = f"{site.node}/tfpolicy/int4"
         values = self.cast(self._unpacked_kernel(site.read_node, kernel), dtype, f"{base}/kernel")
         product = self.op(node.op, f"{base}/matmul", [x, values], **node.attrs)
-        self.graph.redefine(node, "RealDiv", [str(product), str(self.scale_as(kernel.scale_name, dtype))], {"T": T})
+        self.graph.redefine(node, "RealDiv", [str(product), str(self.scale_as(kernel.scale_name, dtype, constant_ok=False))], {"T": T})
         self.graph.remove_if_unused(old_kernel.node)
 
     def _dequantized_int4(self, read: str, kernel: Int4Kernel, dtype: int) -> TensorRef:
@@ -164,23 +164,23 @@ class Int4Rewrites(GraphBuilder):
         base = f"{read}/tfpolicy/int4_dequantize"
         values = self.cast(self._unpacked_kernel(read, kernel), dtype, f"{base}/cast")
         if kernel.block_size is None:
-            value = self.op("RealDiv", f"{base}/divide", [values, self.scale_as(kernel.scale_name, dtype)], T=T)
+            value = self.op("RealDiv", f"{base}/divide", [values, self.scale_as(kernel.scale_name, dtype, constant_ok=False)], T=T)
         elif kernel.rows % kernel.block_size == 0:  # (blocks, block, columns) against (blocks, 1, columns): broadcast
             blocks = kernel.rows // kernel.block_size
             grouped = self.op("Reshape", f"{base}/blocks", [
                 values, self.const(f"{base}/blocks_shape", [blocks, kernel.block_size, kernel.columns], INT32)],
                 T=T, Tshape=_type(INT32))
             one = self.const(f"{base}/block_axis", 1, INT32)
-            scales = self.op("ExpandDims", f"{base}/scales", [self.scale_as(kernel.scale_name, dtype), one], T=T, Tdim=_type(INT32))
-            zeros = self.op("ExpandDims", f"{base}/zeros", [self.cast(self.read(kernel.zero_name), dtype, f"{base}/zeros_cast"), one],
+            scales = self.op("ExpandDims", f"{base}/scales", [self.scale_as(kernel.scale_name, dtype, constant_ok=False), one], T=T, Tdim=_type(INT32))
+            zeros = self.op("ExpandDims", f"{base}/zeros", [self.cast(self.read(kernel.zero_name, constant_ok=False), dtype, f"{base}/zeros_cast"), one],
                             T=T, Tdim=_type(INT32))
             value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [grouped, zeros], T=T), scales], T=T)
             value = self.op("Reshape", f"{base}/rows", [value, self.const(f"{base}/rows_shape", [kernel.rows, kernel.columns], INT32)],
                             T=T, Tshape=_type(INT32))
         else:  # a last, shorter block: each row's scale and zero gathered
             groups = self.const(f"{base}/groups", np.arange(kernel.rows) // kernel.block_size, INT32)
-            scales = self.take(self.scale_as(kernel.scale_name, dtype), groups, 0, f"{base}/scales")
-            zeros = self.cast(self.take(self.read(kernel.zero_name), groups, 0, f"{base}/zeros_int8"), dtype, f"{base}/zeros")
+            scales = self.take(self.scale_as(kernel.scale_name, dtype, constant_ok=False), groups, 0, f"{base}/scales")
+            zeros = self.cast(self.take(self.read(kernel.zero_name, constant_ok=False), groups, 0, f"{base}/zeros_int8"), dtype, f"{base}/zeros")
             value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [values, zeros], T=T), scales], T=T)
         if tuple(kernel.shape) != (kernel.rows, kernel.columns):
             value = self.op("Reshape", f"{base}/reshape", [value, self.const(f"{base}/shape", list(kernel.shape), INT32)],

@@ -203,7 +203,7 @@ class QuantizePass(Int4Rewrites):
         for node in self.graph.nodes.values():
             if node.op == "_Arg":
                 uid = self.index.variable_of(self.signature, self.graph, TensorRef(node.name))
-                if uid in self.qplan.int8_kernels:
+                if uid in self.qplan.int8_kernels or uid in self.qplan.int4_kernels:
                     self.graph.arg_handle_dtypes[node.attrs["index"].i] = INT8
                 elif uid in stored:
                     self.graph.arg_handle_dtypes[node.attrs["index"].i] = stored[uid].storable_dtype
@@ -438,7 +438,9 @@ class QuantizePass(Int4Rewrites):
             keepdims[axis] = 1
         as_float = self.cast(q, F32, f"{name}/cast")
         shape = self.const(f"{name}/scale_shape", keepdims, INT32)
-        scale = self.op("Reshape", f"{name}/scale", [self.read(kernel.scale_name), shape], T=_type(F32), Tshape=_type(INT32))
+        # A variable even in a function: grappler turns a division by a constant into a product with its reciprocal.
+        scale = self.op("Reshape", f"{name}/scale", [self.read(kernel.scale_name, constant_ok=False), shape],
+                        T=_type(F32), Tshape=_type(INT32))
         return self.op("RealDiv", name, [as_float, scale], T=_type(F32))
 
     def _gather(self, site: Site, kernel: Int8Kernel) -> None:
