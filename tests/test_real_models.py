@@ -154,11 +154,20 @@ def test_mixed_bfloat16_is_keras_bit_for_bit(real_zoo, tmp_path, name):
         np.testing.assert_array_equal(got, y_keras[key])
 
 
-def test_an_op_between_layers_in_a_tensorflow_scope_keeps_its_inputs_dtype(real_zoo, tmp_path):
-    """keras_hub's Whisper applies GELU between layers, in TensorFlow's ``Gelu_1`` scope (no layer's call):
-    after a float32 convolution in a bfloat16 model it runs in float32, as in Keras, bit for bit."""
+WHISPER_KEYS = {
+    # keras_hub applies GELU between layers, in TensorFlow's ``Gelu_1`` scope (no layer's call): after a
+    # float32 convolution in a bfloat16 model it runs in float32.
+    "gelu_between_layers": {"encoder_token_embedding_conv_layer_2": "float32"},
+    # The float16 projection's output reaches the residual add through the block's Dropout (no op at
+    # inference), which casts it to bfloat16: the add runs in bfloat16 (RESIDUAL_ADDS).
+    "residual_add": {"transformer_encoder_layer_0/feedforward_output_dense": "mixed_float16"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(WHISPER_KEYS))
+def test_casts_keras_makes_between_layers_are_made_bit_for_bit(real_zoo, tmp_path, case):
     model = real_zoo.get("whisper")
-    plain = {"default_policy": "mixed_bfloat16", "policy_map": {"encoder_token_embedding_conv_layer_2": "float32"}}
+    plain = {"default_policy": "mixed_bfloat16", "policy_map": WHISPER_KEYS[case]}
     tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", plain, serving_checks=False)
     y_tool = realmodels.run_saved_model(tmp_path / "out", model.inputs)
     y_keras = realmodels.keras_native(model, plain)

@@ -59,6 +59,7 @@ from tfpolicy.passes.float_rules import (
     NORMALIZATION_OPS,
     POSITION_MATH,
     PROMOTED,
+    RESIDUAL_ADDS,
     VARIABLE_READ_OPS,
     position_math,
     scaled_attention_softmax,
@@ -267,7 +268,8 @@ class FloatPrecisionPass(CastBuilder):
         layer's own sublayers return to it: ``ops.einsum(scores, value)`` in a
         bfloat16 attention layer whose ``value`` projection is float32 runs in
         float32, and ``einsum(query, key)`` of two float16 projections in
-        float16. Inputs from a sublayer count at that sublayer's compute dtype,
+        float16. Inputs from a sublayer count at that sublayer's compute dtype
+        (not at a residual add: :data:`~tfpolicy.passes.float_rules.RESIDUAL_ADDS`),
         inputs this layer already promoted at theirs, attention probabilities at
         their product's (Keras casts them back to the key's dtype); everything
         else at ``target``.
@@ -281,7 +283,7 @@ class FloatPrecisionPass(CastBuilder):
             if producer.op == "Const" or self.graph.tensor_dtype(ref) not in FLOAT_DTYPES:
                 continue
             source = self._layer(producer)
-            if source is not None and source.startswith(prefix):
+            if source is not None and source.startswith(prefix) and node.op not in RESIDUAL_ADDS:
                 dtype = self.plan.for_layer(source).compute_enum
             elif producer.name in self._attention_softmax:
                 product = self.graph.nodes[self._attention_softmax[producer.name]]

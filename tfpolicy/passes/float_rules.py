@@ -68,6 +68,18 @@ FLOAT32_ATTRS = {"FusedBatchNorm": {"U"}, "FusedBatchNormV2": {"U"}, "FusedBatch
 
 PROMOTED = "promoted to float32 by a float32 or mixed-dtype sublayer output, as Keras promotes"
 
+RESIDUAL_ADDS = frozenset({"Add", "AddV2"})
+"""Adds that take a sublayer's output at the layer's own dtype, not the sublayer's.
+
+A residual connection reaches its add through a layer of the block's dtype:
+keras_hub's blocks pass the attention and feed-forward outputs through a
+Dropout layer (no op at inference, so no op in a float32 export) and Keras's
+Functional models add with an ``Add`` layer, both of which cast their input
+to their own compute dtype. So a float16 projection's output is rounded to a
+bfloat16 block's dtype before ``x + residual``, where Keras's type promotion
+alone would add in float32.
+"""
+
 
 def within(path: Optional[str], layer: str) -> bool:
     """Whether layer ``path`` is ``layer`` or one of its sublayers."""
