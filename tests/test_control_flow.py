@@ -50,11 +50,13 @@ def test_explain_lists_only_layer_paths(decoder):
 def test_an_int8_layer_inside_the_loop_is_quantized_as_outside_it(decoder, tmp_path, target):
     looped, unrolled = _run(decoder, STATE)
     np.testing.assert_array_equal(looped["state"], unrolled["state"])  # the oracle holds in float32
-    plain = {"default_policy": "mixed_bfloat16",
-             "policy_map": {"cell": "int8_from_mixed_bfloat16", "head": "int8_from_mixed_bfloat16"}}
+    plain = {"default_policy": "mixed_bfloat16", "policy_map": {
+        "embed": "int8_from_mixed_bfloat16", "cell": "int8_from_mixed_bfloat16", "head": "int8_from_mixed_bfloat16"}}
     report = tfpolicy.rewrite(decoder, tmp_path / "out", plain, target=target)
-    # Both signatures: cell and head once each in the While body, STEPS times each unrolled.
-    assert {path: q.ops_quantized for path, q in report.quantization.items()} == {"cell": 1 + STEPS, "head": 1 + STEPS}
+    # Both signatures: each layer once in the While body, STEPS times unrolled; the embedding's row scales
+    # are passed into the body as a variable.
+    assert {path: q.ops_quantized for path, q in report.quantization.items()} == {
+        "embed": 1 + STEPS, "cell": 1 + STEPS, "head": 1 + STEPS}
     assert not [w for w in report.warnings if "declined" in w]
     checks = report.serving_checks
     assert all(s.tf1_ran for s in checks.signatures)

@@ -136,14 +136,13 @@ def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, inde
     def decline(reason: str) -> Declined:
         return Declined(layer, mode, node.name, node.op, reason)
 
-    if graph.is_function and mode in ("float8", "int4"):  # its scales are passed in as new arguments
+    lookup = node.op in ("GatherV2", "ResourceGather")
+    if graph.is_function and (mode in ("float8", "int4") or lookup):  # its scales are passed in as new arguments
         problem = chains.problem(graph.name) if chains is not None else "no call chain is known"
         if chains is not None and graph.name in chains.conditions and mode == "float8":
             problem = "a While loop's condition returns only its bool, so calibration cannot measure it"
         if problem is not None:
             return decline(f"{mode} inside a called function its scale variables cannot reach: {problem}")
-    if graph.is_function and node.op in ("GatherV2", "ResourceGather"):
-        return decline("an embedding lookup inside a called function, whose signature cannot take the scale variable")
     if mode == "float8" and node.op not in FLOAT8_KINDS:
         return decline(f"float8 applies to matmul and einsum ops, not {node.op}")
     if mode == "int4" and node.op not in FLOAT8_KINDS | {"GatherV2", "ResourceGather"}:

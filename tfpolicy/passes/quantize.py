@@ -473,7 +473,7 @@ class QuantizePass(Int4Rewrites):
         """
         inputs = [ref for _, ref in lookup.data_inputs()]
         if lookup.op == "GatherV2":
-            table = inputs[0] if variable is None else self.read(variable)
+            table = inputs[0] if variable is None else self.read(variable, constant_ok=False)
             return self.op("GatherV2", name, [table, *inputs[1:]], **{**lookup.attrs, "Tparams": _type(dtype)})
         handle = inputs[0] if variable is None else TensorRef(self.handle(variable))
         return self.op("ResourceGather", name, [handle, *inputs[1:]], **{**lookup.attrs, "dtype": _type(dtype)})
