@@ -81,7 +81,6 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan, int8_convolutions
     sites: list[Site] = []
     declined: list[Declined] = []
     for program in model.signatures.values():
-        bodies = control_flow_bodies(program.all_graphs())
         chains = call_chains(program.graph, program.functions.values())
         for graph in program.all_graphs():
             for node in graph.nodes.values():
@@ -91,7 +90,7 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan, int8_convolutions
                     continue
                 if node.op in ("GatherV2", "ResourceGather") and not _gathers_floats(node):
                     continue  # a shape or index lookup, not an embedding
-                found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index, bodies,
+                found = _match(program.key, graph, node, layer, layer_plan.quantization_mode, index,
                                layer_plan.block_size, int8_convolutions, chains)
                 if isinstance(found, Site):
                     found = dataclasses.replace(found, compute_dtype=layer_plan.compute_enum)
@@ -131,8 +130,7 @@ def control_flow_bodies(graphs: list[Graph]) -> frozenset[str]:
 
 
 def _match(signature: str, graph: Graph, node: Node, layer: str, mode: str, index: LayerIndex,
-           bodies: frozenset[str] = frozenset(), block_size: "int | None" = None, int8_convolutions: bool = False,
-           chains: Optional[CallChains] = None):
+           block_size: "int | None" = None, int8_convolutions: bool = False, chains: Optional[CallChains] = None):
     def decline(reason: str) -> Declined:
         return Declined(layer, mode, node.name, node.op, reason)
 
@@ -276,7 +274,6 @@ def _variable_uses(model: LoadedModel, index: LayerIndex) -> Iterator[tuple[Grap
     """Every (graph, node, uid, in a While/If body) where a node takes a variable's handle."""
     for program in model.signatures.values():
         bodies = control_flow_bodies(program.all_graphs())
-        chains = call_chains(program.graph, program.functions.values())
         for graph in program.all_graphs():
             for node in graph.nodes.values():
                 if node.op in ("Identity", "IdentityN"):

@@ -265,7 +265,7 @@ def _load_signature(
             node_def.name,
             node_def.op,
             list(node_def.input),
-            {k: _copy_attr(v) for k, v in node_def.attr.items() if k != "_output_shapes"},
+            {k: tf_names.copy_attr(v) for k, v in node_def.attr.items() if k != "_output_shapes"},
             node_def.device,
         )
     for name, tensor in zip(_output_keys(function), function.outputs):
@@ -313,20 +313,13 @@ def _specialize_call_sites(
             fdefs[clone_name] = clone
             library[clone_name] = library[name]
             functions[clone_name] = function_def_to_graph(clone, library)
-            caller.attrs["f"] = _copy_attr(caller.attrs["f"])
-            caller.attrs["f"].func.name = clone_name
+            caller.attrs["f"] = tf_names.renamed_func_attr(caller.attrs["f"], clone_name)
 
 
 def _output_keys(function: object) -> list[str]:
     structure = function.structured_outputs
     flat_keys = tf_internals.flatten_with_joined_string_paths(structure)
     return [path or f"output_{i}" for i, (path, _) in enumerate(flat_keys)]
-
-
-def _copy_attr(value):
-    copy = type(value)()
-    copy.CopyFrom(value)
-    return copy
 
 
 def function_def_to_graph(fdef: function_pb2.FunctionDef, library) -> Graph:
@@ -341,7 +334,7 @@ def function_def_to_graph(fdef: function_pb2.FunctionDef, library) -> Graph:
     arg_names = frozenset(arg.name for arg in fdef.signature.input_arg)
     for nd in fdef.node_def:
         inputs = [tf_names.function_input_to_flat(t, layout, arg_names) for t in nd.input]
-        graph.nodes[nd.name] = Node(nd.name, nd.op, inputs, {k: _copy_attr(v) for k, v in nd.attr.items() if k != "_output_shapes"}, nd.device)
+        graph.nodes[nd.name] = Node(nd.name, nd.op, inputs, {k: tf_names.copy_attr(v) for k, v in nd.attr.items() if k != "_output_shapes"}, nd.device)
     for out in fdef.signature.output_arg:
         text = tf_names.function_input_to_flat(fdef.ret[out.name], layout, arg_names)
         graph.outputs[out.name] = tf_names.parse_input(text)[0]

@@ -140,4 +140,3 @@ class GraphBuilder:
             cast = f"{ref.node}/to_{tf.dtypes.as_dtype(dtype).name}"
             self._scales[key] = TensorRef(cast) if cast in self.graph.nodes else self.cast(ref, dtype, cast)
         return self._scales[key]
-
