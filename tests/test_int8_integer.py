@@ -135,10 +135,16 @@ def test_every_int8_site_multiplies_the_int8_kernel_itself(cases, name, target):
 
 
 def test_float_form_sums_long_contractions_in_exact_chunks(tmp_path):
-    """A contraction of more than 1040 int8 products is summed in float32 chunks, then in int32: still Keras's."""
+    """A contraction whose int8 sums could pass 2^24 is summed in float32 chunks, then in int32: still Keras's.
+
+    Every weight of the kernel has the same magnitude (all int8 values +-127),
+    the worst case: 2100 contracted values need ceil(2100 / 1040) = 3 chunks.
+    """
     keras.utils.set_random_seed(3)
     inputs = keras.Input((2100,))
     model = keras.Model(inputs, keras.layers.Dense(8, name="wide")(inputs))
+    signs = np.sign(np.random.default_rng(2).normal(size=(2100, 8))).astype(np.float32)
+    model.layers[-1].kernel.assign(signs * 0.05)
     model.export(str(tmp_path / "in"), verbose=False)
     tfpolicy.rewrite(tmp_path / "in", tmp_path / "out", {"default_policy": "int8_from_float32"})
     x = np.random.default_rng(1).normal(size=(4, 2100)).astype(np.float32) * 10
@@ -165,6 +171,16 @@ def test_xla_lowers_the_int8_sites_to_s8_dots(cases, name):
     # The same integers; XLA may keep the bfloat16 rescale in float32 (one bfloat16 step).
     y_xla = compiled(tf.constant(case.x))[next(iter(function.structured_outputs))].numpy()
     np.testing.assert_allclose(y_xla, case.tool_output(), rtol=2**-7, atol=2**-8 * np.abs(y_xla).max())
+
+
+def test_float_exact_chunks_follow_the_kernel():
+    """A float32 matmul of int8 values is exact while 127 x a column's sum of |w| stays within 2^24."""
+    rng = np.random.default_rng(0)
+    gaussian = np.clip(np.round(rng.normal(size=(3072, 64)) * 127 / 4.5), -127, 127).astype(np.int8)
+    assert quant_variables.float_exact_chunks(gaussian, (0,)) == 1  # a trained kernel's 3072-long contraction
+    assert quant_variables.float_exact_chunks(np.full((3072, 4), -127, np.int8), (0,)) == 3  # the worst case
+    assert quant_variables.float_exact_chunks(np.full((1040, 4), 127, np.int8), (0,)) == 1
+    assert quant_variables.float_exact_chunks(np.full((1041, 4), 127, np.int8), (0,)) == 2
 
 
 def test_u8_exact_chunks_keeps_every_column_sum_within_float32_integers():

@@ -30,6 +30,7 @@ from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_
 from tfpolicy.passes.function_args import FunctionArgs
 from tfpolicy.passes.quant_variables import build_variables
 from tfpolicy.passes.quantize import CalibrationTaps, QuantizePass
+from tfpolicy.passes.wide_kernels import WideKernelsPass
 from tfpolicy.report import Report, SignatureReport, quantization_rows
 from tfpolicy.serving import checks as serving
 from tfpolicy.core import inputs
@@ -297,6 +298,8 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
         logger.info("rewriting signature %s (%d ops, %d functions)", program.key, len(program.graph.nodes), len(program.functions))
         graphs = program.all_graphs()
         float_passes = [FloatPrecisionPass(program.key, g, index, the_plan, variable_dtypes) for g in graphs]
+        # XLA compiles each op its own way: there the slow bfloat16 CPU kernels never run
+        wide_passes = [] if chosen.xla_compile else [WideKernelsPass(program.key, g) for g in graphs]
         taps = CalibrationTaps()
         function_args = FunctionArgs(program, call_chains(program.graph, program.functions.values()))
         quantize_passes = [
@@ -306,7 +309,7 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
         ]
         calibration = (CalibrationPass(program.key, program.graph, new_variables, taps, function_args)
                        if program.key == calibration_target else None)
-        results = PassManager([*float_passes, *quantize_passes, *([calibration] if calibration else [])]).run()
+        results = PassManager([*float_passes, *wide_passes, *quantize_passes, *([calibration] if calibration else [])]).run()
         float_results = [(p.graph, results[p.name].stats) for p in float_passes]
         quantize_results = [results[p.name].stats for p in quantize_passes]
         captures = {placeholder: name for q in quantize_results for placeholder, name in q.new_captures.items()}

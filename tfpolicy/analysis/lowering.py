@@ -18,11 +18,14 @@ All three give the same int32 sums, so the output equals Keras's bit for bit:
   an ``s8`` GEMM (GPU int8 tensor cores, TPU MXU): the signatures that hold
   such sites are marked for XLA compilation.
 * **float** multiplies the same integers as float32 values. Every product is
-  exact and every partial sum is an integer of magnitude at most
-  ``K * 127 * 127``, exact in float32 below ``2**24``, so ``K <= 1040``
-  contracted values are summed in one matmul and longer ones in chunks of at
-  most 1040 whose int32 results are added. It runs on any CPU and GPU, with or
-  without oneDNN, and under XLA, at float32 matmul speed.
+  exact and every partial sum of a column is an integer of magnitude at most
+  ``127 * sum(|w|)`` over the contraction, exact in float32 up to ``2**24``:
+  a kernel whose columns stay within that (most: Keras's per-channel scales
+  leave trained weights' ``|w|`` far below 127 on average) is one matmul,
+  others are cut into the fewest chunks that do, whose int32 results are
+  added (never more than chunks of 1040, every ``|w| = 127``). It runs on
+  any CPU and GPU, with or without oneDNN, and under XLA, at float32 matmul
+  speed.
 * **onednn** shifts the int8 input by 128 to uint8 and adds ``-128 * column
   sums`` of the kernel (an int32 variable, ``<kernel>_u8_correction``) as the
   int32 bias of ``QuantizedMatMulWithBias``: ``(x + 128) . W - 128 . sum(W) =
@@ -54,8 +57,6 @@ from tfpolicy.errors import TargetError
 INT8_FORMS = ("integer", "float", "onednn")
 EXACT_INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 """CPU flags under which oneDNN's u8 x s8 dot accumulates into int32 without a saturating 16-bit step."""
-FLOAT_EXACT_CONTRACTION = (2**24) // (127 * 127)
-"""The most int8 x int8 products (|v| <= 127) a float32 sum holds exactly: 1040."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.tf_names import DT_FLOAT, DT_RESOURCE, DT_VARIANT, FLOAT_DTYPES, TensorRef, type_attr, type_list_attr
 from tfpolicy.passes import PassResult
 from tfpolicy.passes.casts import CastBuilder
+from tfpolicy.passes.wide_kernels import is_widened
 from tfpolicy.passes.float_rules import (
     ATTENTION_SOFTMAX,
     FLOAT32_ATTRS,
@@ -234,6 +235,8 @@ class FloatPrecisionPass(CastBuilder):
             return
         if tf_names.op_def(node.op) is None:
             self.stats.decline(layer, f"function call '{node.op}' keeps its signature")
+            return
+        if is_widened(self.graph, node):  # a bfloat16 op an earlier rewrite computes in float32
             return
         if self._touches_resources(node):
             self.stats.decline(layer, f"{node.op} works on a resource or variant")

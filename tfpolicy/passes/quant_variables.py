@@ -35,7 +35,7 @@ FLOAT8_E4M3_MAX = float(tf.dtypes.experimental.float8_e4m3fn.max)
 U8_SHIFT = 128
 """oneDNN's quantized matmul takes uint8 inputs: int8 values are shifted by 128 (see analysis/lowering.py)."""
 FLOAT32_EXACT_INTEGER = 2**24
-"""oneDNN adds the bias to its int32 sum in float32: exact while every value stays within 2^24."""
+"""Integers up to 2^24 are exact in float32: the bound for oneDNN's float32 bias add and for float32 matmuls of int8 values."""
 
 
 def build_variables(
@@ -54,7 +54,9 @@ def build_variables(
     also gets ``<kernel>_u8_correction``, ``-128`` times its sums over the
     contracted axes (int32, one per output channel, in the scale's frame),
     whose companion is how many chunks the contraction is split into so that
-    oneDNN's sums stay exact (:func:`u8_exact_chunks`).
+    oneDNN's sums stay exact (:func:`u8_exact_chunks`); otherwise the int8
+    kernel's companion is the chunks a float32 matmul of it needs
+    (:func:`float_exact_chunks`).
     """
     variables: dict[str, NewVariable] = {}
     integer = {s.variable_uid for s in qplan.sites if s.integer is not None}
@@ -65,7 +67,8 @@ def build_variables(
                        for s in qplan.sites if s.variable_uid == kernel.uid and s.integer is not None)
         values = LazyValues(functools.partial(_int8_values, read_value, kernel, onednn, in_order))
         kept = [d for axis, d in enumerate(shape) if axis not in kernel.reduced_axes]
-        variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid)
+        variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid,
+                                                  companion=None if onednn else 2)
         variables[kernel.scale_name] = NewVariable.part(kernel.scale_name, kept, np.float32, values, 1)
         if onednn:
             variables[kernel.correction_name] = NewVariable.part(kernel.correction_name, kept, np.int32, values, 2,
@@ -95,12 +98,13 @@ def build_variables(
 
 
 def _int8_values(read_value, kernel, onednn: bool = False, in_order: bool = True) -> tuple[np.ndarray, ...]:
-    """``(int8 kernel, scale, u8 correction, u8 chunks)``: Keras's ``abs_max_quantize``; for the oneDNN
-    lowering, ``-128 x`` the kernel's channel sums and :func:`u8_exact_chunks`."""
+    """``(int8 kernel, scale, float chunks)``: Keras's ``abs_max_quantize`` and :func:`float_exact_chunks`;
+    for the oneDNN lowering ``(int8 kernel, scale, u8 correction, u8 chunks)``: ``-128 x`` the kernel's
+    channel sums and :func:`u8_exact_chunks`."""
     q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
     scale = np.squeeze(scale, axis=kernel.reduced_axes)
     if not onednn:
-        return q, scale
+        return q, scale, np.int32(float_exact_chunks(q, kernel.reduced_axes, in_order))
     correction = np.int32(-U8_SHIFT) * q.astype(np.int32).sum(axis=kernel.reduced_axes, dtype=np.int32)
     return q, scale, correction.astype(np.int32), np.int32(u8_exact_chunks(q, kernel.reduced_axes, in_order))
 
@@ -123,23 +127,52 @@ def u8_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: bool
     largest weights of a column wherever they lie. Most kernels need one; a
     long contraction of large weights of one sign needs more.
     """
-    contracted = int(np.prod([q.shape[a] for a in reduced_axes]))
-    in_order = in_order and tuple(reduced_axes) == tuple(range(len(reduced_axes)))
-    columns = np.moveaxis(q, reduced_axes, range(len(reduced_axes))).reshape(contracted, -1).astype(np.int64)
-    limit = FLOAT32_EXACT_INTEGER // 255
+    columns = _columns(q, reduced_axes)
     signs = (np.maximum(columns, 0), np.maximum(-columns, 0))
-    if max(part.sum(0).max(initial=0) for part in signs) <= limit:
+    return _fewest_chunks(signs, FLOAT32_EXACT_INTEGER // 255, in_order and _leading(reduced_axes))
+
+
+def float_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: bool = True) -> int:
+    """How many chunks the contraction of ``q`` needs for a float32 matmul of int8 values to stay exact.
+
+    The input's values lie in [-127, 127], so every partial sum a float32
+    matmul forms of a column, in whatever order it adds (blocked, fused
+    multiply-adds), is an integer of magnitude at most 127 times the sum of
+    the column's ``|w|`` over the chunk: exact while that is at most 2^24.
+    Keras's per-channel ``abs_max_quantize`` gives real kernels ``|w|`` well
+    below 127 on average, so a 3072-long contraction is usually one matmul
+    (the worst case, every ``|w| = 127``, needs chunks of 1040).
+    ``in_order`` as for :func:`u8_exact_chunks`.
+    """
+    return _fewest_chunks((np.abs(_columns(q, reduced_axes)),), FLOAT32_EXACT_INTEGER // int(INT8_RANGE),
+                          in_order and _leading(reduced_axes))
+
+
+def _leading(reduced_axes: tuple[int, ...]) -> bool:
+    return tuple(reduced_axes) == tuple(range(len(reduced_axes)))
+
+
+def _columns(q: np.ndarray, reduced_axes: tuple[int, ...]) -> np.ndarray:
+    """``q`` as (contracted, columns), int64."""
+    contracted = int(np.prod([q.shape[a] for a in reduced_axes]))
+    return np.moveaxis(q, reduced_axes, range(len(reduced_axes))).reshape(contracted, -1).astype(np.int64)
+
+
+def _fewest_chunks(parts: tuple[np.ndarray, ...], limit: int, in_order: bool) -> int:
+    """The fewest chunks of the contraction in which every column's sum of each of ``parts`` stays within ``limit``."""
+    contracted = parts[0].shape[0]
+    if max(part.sum(0).max(initial=0) for part in parts) <= limit:
         return 1
     if in_order:
-        prefix = [np.concatenate([np.zeros((1, part.shape[1]), np.int64), np.cumsum(part, axis=0)]) for part in signs]
+        prefix = [np.concatenate([np.zeros((1, part.shape[1]), np.int64), np.cumsum(part, axis=0)]) for part in parts]
         for chunks in range(2, contracted + 1):
             ends = np.cumsum(chunk_sizes(contracted, chunks))
             starts = ends - chunk_sizes(contracted, chunks)
             if all((p[ends] - p[starts]).max() <= limit for p in prefix):
                 return chunks
         return contracted
-    # Wherever a chunk of n lies: each column's n largest magnitudes of one sign, for every n.
-    largest = np.maximum(*(np.cumsum(-np.sort(-part, axis=0), axis=0).max(axis=1) for part in signs))
+    # Wherever a chunk of n lies: each column's n largest values of a part, for every n.
+    largest = np.maximum.reduce([np.cumsum(-np.sort(-part, axis=0), axis=0).max(axis=1) for part in parts])
     for chunks in range(2, contracted + 1):
         if largest[-(-contracted // chunks) - 1] <= limit:
             return chunks

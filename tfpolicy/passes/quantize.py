@@ -50,7 +50,7 @@ from typing import Optional
 import numpy as np
 
 from tfpolicy.analysis.layer_index import LayerIndex
-from tfpolicy.analysis.lowering import FLOAT_EXACT_CONTRACTION, Lowering
+from tfpolicy.analysis.lowering import Lowering
 from tfpolicy.analysis.lowering import choose as choose_lowering
 from tfpolicy.analysis.quant_records import IntegerMatmul
 from tfpolicy.analysis.quant_sites import READ_THROUGH, Float8Group, Int8Kernel, QuantPlan, Site
@@ -279,15 +279,17 @@ class QuantizePass(Int4Rewrites):
                        Tout=_type(INT32), adj_x=_bool(False), adj_y=_bool(site.integer.transpose_kernel))
 
     def _float_product(self, values: TensorRef, dtype: int, kernel: TensorRef, site: Site, base: str) -> TensorRef:
-        """The same integers multiplied in float32, exactly: in chunks of at most 1040 contracted values.
+        """The same integers multiplied in float32, exactly: in as many chunks as the kernel's sums need.
 
-        Returns float32 when one matmul holds the sum, else the chunks' int32 sum.
+        (:func:`~tfpolicy.passes.quant_variables.float_exact_chunks`: usually
+        one; never more than chunks of 1040 contracted values.) Returns float32
+        when one matmul holds the sum, else the chunks' int32 sum.
         """
         form = site.integer
         transpose, contracted, free = form.transpose_kernel, int(np.prod(form.contracted)), int(np.prod(form.free))
         rows, restore = self._as_rows(self._token_values(values, "float32", dtype), contracted, free, DT_FLOAT, base)
         weights = self.cast(kernel, DT_FLOAT, f"{base}/kernel_float32")
-        chunks = -(-contracted // FLOAT_EXACT_CONTRACTION)
+        chunks = int(self.variables[self.qplan.int8_kernels[site.variable_uid].name].companion())
         if chunks == 1:
             return restore(self.op("MatMul", f"{base}/matmul", [rows, weights], T=_type(DT_FLOAT),
                                    transpose_a=_bool(False), transpose_b=_bool(transpose)))
@@ -417,7 +419,15 @@ class QuantizePass(Int4Rewrites):
         return self._token_forms[key]
 
     def _abs_max(self, x: TensorRef, axes: tuple[int, ...], dtype: int, base: str) -> tuple[TensorRef, TensorRef]:
-        """``(clip(round(x * s), +-127), s)``, ``s = 127 / (max|x| over axes + 1e-7)``, in ``dtype``."""
+        """``(clip(round(x * s), +-127), s)``, ``s = 127 / (max|x| over axes + 1e-7)``, in ``dtype``.
+
+        In float32 the clip is left out: it never changes a finite value. With
+        ``a = max|x|``, ``a + 1e-7`` rounds to at least ``a``, so ``|x * s| <=
+        a * 127 / a`` up to two roundings, ``127 * (1 + 2**-24)**2 < 127.5``,
+        which rounds to at most 127 (TensorFlow's CPU ClipByValue costs as much
+        as the quantization's multiply and round together). In bfloat16 and
+        float16 a rounded product can reach 127.5 or 128, and the clip stays.
+        """
         T = _type(dtype)
         amax = self.op("Max", f"{base}/amax", [self.op("Abs", f"{base}/abs", [x], T=T),
                                                  self.const(f"{base}/axes", list(axes), INT32)],
@@ -427,6 +437,8 @@ class QuantizePass(Int4Rewrites):
             self.op("AddV2", f"{base}/amax_eps", [amax, self.const(f"{base}/epsilon", EPSILON, dtype)], T=T),
         ], T=T)
         rounded = self.op("Round", f"{base}/round", [self.op("Mul", f"{base}/scaled", [x, scale], T=T)], T=T)
+        if dtype == DT_FLOAT:
+            return rounded, scale
         clipped = self.op("ClipByValue", f"{base}/clip", [
             rounded, self.const(f"{base}/min", -INT8_RANGE, dtype),
             self.const(f"{base}/max", INT8_RANGE, dtype)], T=T)
