@@ -27,6 +27,9 @@ def test_an_op_whose_kernels_differ_is_found():
 def _build() -> keras.Model:
     inputs = keras.Input(shape=(6, 16), name="x")
     h = keras.layers.Dense(64, activation="gelu", name="exact_gelu")(inputs)  # erfc
+    h = keras.layers.Dense(32, name="tanh_gelu")(h)
+    # GPT-2's activation: tanh, and a cube (Pow) that Keras computes in bfloat16
+    h = keras.layers.Activation(lambda v: keras.activations.gelu(v, approximate=True), name="approx")(h)
     h = keras.layers.Dense(8, activation="tanh", name="head")(h)
     return keras.Model(inputs, h)
 
@@ -47,7 +50,7 @@ def _ops_by_dtype(saved_model_dir) -> set[tuple[str, str]]:
     return {(n.op, tf.as_dtype(n.attr["T"].type).name) for n in nodes if n.op in wide_kernels.WIDENED_OPS}
 
 
-def test_gelu_and_tanh_run_in_float32_and_equal_keras_bit_for_bit(exported, tmp_path):
+def test_gelu_both_forms_and_tanh_equal_keras_bit_for_bit(exported, tmp_path):
     directory, weights = exported
     out = tmp_path / "bf16"
     tfpolicy.rewrite(directory, out, {"default_policy": "mixed_bfloat16"})
