@@ -16,6 +16,8 @@ the results by pass name, so adding a pass moves nothing::
     float_precision   retype each layer's ops to its compute dtype, with Casts
     float_rules       which ops stay float32 (islands) and how constants convert
     casts             one Cast per tensor and dtype; constants converted, not cast
+    wide_kernels      bfloat16 ops with slow CPU kernels (Erfc, Tanh) computed in
+                      float32 between Casts where the bits agree (not under XLA)
     quantize          int8 / int4 / float8 at the quantization sites
     int4              int4 unpacking (table lookups) and dequantization
     float8_rounding   rounding to float8 in float32 bit arithmetic (off the GPU)

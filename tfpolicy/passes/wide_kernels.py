@@ -97,4 +97,7 @@ class WideKernelsPass:
             self.graph.redefine(node, "Cast", [str(TensorRef(wide.name))], {
                 "SrcT": type_attr(DT_FLOAT), "DstT": type_attr(DT_BFLOAT16), "Truncate": bool_attr(False)})
             stats.widened[node.op] = stats.widened.get(node.op, 0) + 1
+        if stats.widened:
+            logger.info("%s: bfloat16 ops computed in float32: %s", self.name,
+                        ", ".join(f"{n} {op}" for op, n in sorted(stats.widened.items())))
         return PassResult(bool(stats.widened), stats)
