@@ -33,6 +33,7 @@ _EXPORTS = {
     "validate": "tfpolicy.validation.compare",
     "export": "tfpolicy.serving_export",
     "export_with_report": "tfpolicy.serving_export",
+    "suggest": "tfpolicy.suggestion",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

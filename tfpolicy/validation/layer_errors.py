@@ -129,6 +129,7 @@ class LayerStats:
     max_abs_error: float  # local
     cosine: float  # local
     cumulative_rel_error: float  # at the layer's outputs in the plain rewritten run
+    shapes: tuple[tuple[int, ...], ...] = ()  # of ``tensors`` in the last batch (what a layer's work scales with)
 
     @property
     def label(self) -> str:
@@ -166,6 +167,7 @@ def compare_layers(
     feed_dtypes = [tf.dtypes.as_dtype(rewritten_program.graph.tensor_dtype(c.rewritten_ref)) for c in compared]
     local = [ErrorAccumulator() for _ in compared]
     cumulative = [ErrorAccumulator() for _ in compared]
+    shapes: list[tuple[int, ...]] = [() for _ in compared]
     names = _input_names(float_program)
     for batch in batches:
         args = [tf.constant(batch[name]) for name in names]
@@ -177,7 +179,8 @@ def compare_layers(
             fetched = _fetch_key(i)
             local[i].add(ref_values[fetched], local_values[fetched])
             cumulative[i].add(ref_values[fetched], cumulative_values[fetched])
-    return _per_layer(compared, local, cumulative)
+            shapes[i] = tuple(int(n) for n in np.shape(ref_values[fetched]))
+    return _per_layer(compared, local, cumulative, shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +349,8 @@ def _fetch_key(position: int) -> str:
     return f"t{position:05d}"
 
 
-def _per_layer(compared: list[_Compared], local: list[ErrorAccumulator], cumulative: list[ErrorAccumulator]) -> list[LayerStats]:
+def _per_layer(compared: list[_Compared], local: list[ErrorAccumulator], cumulative: list[ErrorAccumulator],
+               shapes: list[tuple[int, ...]]) -> list[LayerStats]:
     grouped: dict[Optional[str], list[int]] = {}
     for i, item in enumerate(compared):
         grouped.setdefault(item.layer, []).append(i)
@@ -364,6 +368,7 @@ def _per_layer(compared: list[_Compared], local: list[ErrorAccumulator], cumulat
                 max_abs_error=local_total.max_abs_diff,
                 cosine=local_total.cosine,
                 cumulative_rel_error=cumulative_total.rel_rms_error,
+                shapes=tuple(shapes[i] for i in positions),
             )
         )
     return sorted(stats, key=lambda s: (-_sortable(s.rel_error), s.layer or ""))

@@ -1,0 +1,211 @@
+"""What ``tfpolicy suggest`` measures: errors, latencies and bytes of real rewrites.
+
+Every number the search uses comes from running SavedModels that
+:func:`tfpolicy.rewrite` wrote, on the user's data, on this machine:
+
+* a model's output error against the float input (:class:`Metric`: relative
+  max error, relative RMS error, or top-1 disagreement);
+* per layer, the error it adds when fed the float model's inputs (the
+  per-layer report of ``--validate``, :func:`tfpolicy.validation.layer_errors.compare_layers`);
+* latency: the fastest of a few calls of ``serving_default`` on one batch;
+* bytes: the variables the rewrite stores for a layer, by policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfpolicy.analysis import layer_index
+from tfpolicy.core import savedmodel_io
+from tfpolicy.errors import InputDataError
+from tfpolicy.validation.layer_errors import LayerStats, compare_layers
+
+SIGNATURE = "serving_default"
+METRICS = ("rel_max", "rel_rms", "top1")
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """How far an output is from the float input's: ``rel_max`` max|y - y0| / max|y0|, ``rel_rms``
+    ||y - y0|| / ||y0||, ``top1`` the share of rows whose argmax over the last axis differs."""
+
+    name: str
+    output: str
+
+    def __call__(self, reference: Sequence[np.ndarray], got: Sequence[np.ndarray]) -> float:
+        ref = [np.asarray(r, np.float64) for r in reference]
+        out = [np.asarray(g, np.float64) for g in got]
+        if self.name == "top1":
+            rows = sum(r[..., 0].size for r in ref)
+            differ = sum(int(np.sum(np.argmax(r, -1) != np.argmax(o, -1))) for r, o in zip(ref, out))
+            return differ / max(rows, 1)
+        if not all(np.all(np.isfinite(o)) for o in out):
+            return math.inf
+        if self.name == "rel_max":
+            top = max(float(np.max(np.abs(r))) for r in ref)
+            return max(float(np.max(np.abs(o - r))) for r, o in zip(ref, out)) / (top or 1.0)
+        num = sum(float(np.sum((o - r) ** 2)) for r, o in zip(ref, out))
+        den = sum(float(np.sum(r * r)) for r in ref)
+        return math.sqrt(num / (den or 1.0))
+
+
+def choose_output(function: Any, requested: Optional[str]) -> str:
+    """The output the metric reads: the only one, or the one the user named."""
+    names = sorted(function.structured_outputs)
+    if requested is not None:
+        if requested not in names:
+            raise InputDataError(f"--output '{requested}' is not an output of {SIGNATURE}; its outputs: {', '.join(names)}")
+        return requested
+    if len(names) != 1:
+        raise InputDataError(f"{SIGNATURE} has {len(names)} outputs ({', '.join(names)}): name the one to measure"
+                             " with --output")
+    return names[0]
+
+
+class Model:
+    """A loaded SavedModel's ``serving_default``: outputs on batches, and its latency."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self._loaded = tf.saved_model.load(str(path))
+        self.function = self._loaded.signatures[SIGNATURE]
+
+    def outputs(self, batches: Sequence[Batch], name: str) -> list[np.ndarray]:
+        return [self.function(**{k: tf.constant(v) for k, v in batch.items()})[name].numpy() for batch in batches]
+
+    def latency(self, batch: Batch, runs: int = 5, warmups: int = 2) -> float:
+        """Seconds of the fastest of ``runs`` calls after ``warmups`` (a graph call, as TF Serving makes it)."""
+        feed = {k: tf.constant(v) for k, v in batch.items()}
+        for _ in range(warmups):
+            self.function(**feed)
+        best = math.inf
+        for _ in range(runs):
+            started = time.perf_counter()
+            result = self.function(**feed)
+            for value in result.values():
+                value.numpy()
+            best = min(best, time.perf_counter() - started)
+        return best
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """A layer the map can address, with what its work and storage scale with."""
+
+    path: str
+    kernels: tuple[tuple[int, ...], ...]  # rank >= 2 variables: what int8/int4/float8 quantize
+    other_elements: int  # biases, norms' scales
+    kernel_names: tuple[str, ...]
+
+
+def layer_shapes(input_path: pathlib.Path) -> dict[str, LayerShape]:
+    """Every layer that owns variables, by its path (as the rewrite finds it)."""
+    model = savedmodel_io.load(input_path, [SIGNATURE], streamed=True)
+    index = layer_index.build(model)
+    found: dict[str, LayerShape] = {}
+    for path, info in index.layers.items():
+        kernels, names, other = [], [], 0
+        for variable in info.variables:
+            shape = tuple(int(n or 0) for n in variable.shape)
+            if len(shape) >= 2:
+                kernels.append(shape)
+                names.append(variable.name)
+            else:
+                other += int(np.prod(shape)) if shape else 1
+        if kernels or other:
+            found[path] = LayerShape(path, tuple(kernels), other, tuple(names))
+    return found
+
+
+def multiply_adds(layer: LayerShape, stats: Optional[LayerStats]) -> float:
+    """Multiply-adds per call of ``layer``'s kernels, from the shape of its output.
+
+    A kernel's output features are its trailing dimensions that end the
+    output's shape too (Dense ``(K, N)`` -> ``[..., N]``, EinsumDense ``(768,
+    12, 64)`` -> ``[..., 12, 64]``, Conv2D ``(3, 3, C, N)`` -> ``[..., N]``);
+    each output element costs the rest of the kernel. An embedding table is
+    a lookup (no multiply-adds).
+    """
+    if stats is None or not stats.shapes:
+        return 0.0
+    output = max(stats.shapes, key=lambda s: int(np.prod(s)) if s else 0)
+    elements = float(np.prod(output)) if output else 0.0
+    total = 0.0
+    for shape, name in zip(layer.kernels, layer.kernel_names):
+        if name.rsplit("/", 1)[-1].split(":")[0] in ("embeddings", "embedding"):
+            continue
+        trailing = 0
+        while (trailing < min(len(shape), len(output)) - 0 and
+               shape[len(shape) - 1 - trailing] == output[len(output) - 1 - trailing]):
+            trailing += 1
+        features = int(np.prod(shape[len(shape) - max(trailing, 1):]))
+        total += elements * (int(np.prod(shape)) / max(features, 1))
+    return total
+
+
+def local_errors(input_path: pathlib.Path, output_path: pathlib.Path, batches: Sequence[Batch]) -> dict[str, LayerStats]:
+    """Per layer path: the error it adds fed the float model's inputs (``--validate``'s per-layer report)."""
+    return {s.layer: s for s in compare_layers(input_path, output_path, SIGNATURE, list(batches)) if s.layer}
+
+
+VARIABLE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def stored_bytes(layer: LayerShape, policy: Any, quantized: bool) -> float:
+    """Bytes the rewrite stores for ``layer`` under ``policy`` (a Keras DTypePolicy).
+
+    Variables take the policy's variable dtype; a quantized layer's kernels
+    take int8 (one byte, a float32 scale per output channel) or int4 (half a
+    byte, a scale per block); float8 keeps its kernel in the variable dtype,
+    as Keras does, and adds a few scalars.
+    """
+    per = VARIABLE_BYTES.get(policy.variable_dtype, 4)
+    mode = getattr(policy, "quantization_mode", None) if quantized else None
+    total = layer.other_elements * per
+    for shape in layer.kernels:
+        size = int(np.prod(shape))
+        if mode == "int8":
+            total += size + 4 * shape[-1]
+        elif mode == "int4":
+            block = getattr(policy, "block_size", None) or shape[0]
+            total += size / 2 + 4 * shape[-1] * max(1, math.ceil(shape[0] / block))
+        else:
+            total += size * per + (12 * 4 if mode == "float8" else 0)
+    return float(total)
+
+
+def directory_bytes(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def split_rows(batches: Sequence[Batch], held_out: float) -> tuple[list[Batch], list[Batch]]:
+    """(search rows, held-out rows): the last ``held_out`` share of the rows, at least one, are held out."""
+    rows = sum(_rows(b) for b in batches)
+    if rows < 2:
+        raise InputDataError(f"--data holds {rows} row(s); suggest needs at least 2 (some are held out to verify)")
+    keep = rows - max(1, int(round(rows * held_out)))
+    search, verify, seen = [], [], 0
+    for batch in batches:
+        n = _rows(batch)
+        if seen + n <= keep:
+            search.append(batch)
+        elif seen >= keep:
+            verify.append(batch)
+        else:
+            cut = keep - seen
+            search.append({k: v[:cut] if np.ndim(v) else v for k, v in batch.items()})
+            verify.append({k: v[cut:] if np.ndim(v) else v for k, v in batch.items()})
+        seen += n
+    return search, verify
+
+
+def _rows(batch: Mapping[str, np.ndarray]) -> int:
+    return max((len(v) for v in batch.values() if np.ndim(v)), default=1)

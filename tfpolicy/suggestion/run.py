@@ -1,0 +1,287 @@
+"""``tfpolicy.suggest``: the cheapest policy map that keeps a model within an error budget.
+
+Four steps, each on the user's data and this machine::
+
+    candidates --rewrite each, to every layer--> uniform outputs
+      -> sensitivity: per layer and candidate, the error it adds (local error, one run per candidate)
+      -> cost: per layer and candidate, seconds (the uniform output's latency, split by
+         multiply-adds) or bytes (the variables the rewrite stores)
+      -> search (tfpolicy.suggestion.search): cheapest predicted assignment within the budget
+      -> verify: the real rewrite of that map, its error on held-out rows; if over the
+         budget, the predictions are scaled by what was measured and the search runs
+         again (or the layer with the largest share backs off), up to ``rounds`` times
+
+The map returned is the best of every map measured (the uniform ones
+included) whose held-out error is within the budget, so it is never worse
+than the best single policy that meets the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import tempfile
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import keras
+
+from tfpolicy.analysis.policy_map import PolicyMap
+from tfpolicy.core import inputs, paths
+from tfpolicy.errors import InputDataError, TfPolicyError
+from tfpolicy.suggestion import measure, search
+from tfpolicy.suggestion.measure import METRICS, Metric, Model
+
+logger = logging.getLogger(__name__)
+
+OBJECTIVES = ("latency", "bytes")
+DEFAULT_CANDIDATES = {
+    # Most precise first. Per target, the forms that can pay off there (see the README's serving tables).
+    ("latency", None): ("float32", "mixed_bfloat16", "int8_from_mixed_bfloat16"),
+    ("latency", "cpu"): ("float32", "mixed_bfloat16", "int8_from_float32", "int8_from_mixed_bfloat16"),
+    ("latency", "gpu"): ("float32", "mixed_bfloat16", "int8_from_mixed_bfloat16", "float8_from_mixed_bfloat16"),
+    ("latency", "tpu"): ("float32", "mixed_bfloat16", "int8_from_mixed_bfloat16"),
+    ("bytes", None): ("float32", "bfloat16", "int8_from_bfloat16", "int4/128_from_bfloat16"),
+}
+BATCH = 16
+SENSITIVITY_BATCHES = 2
+MARGIN = 0.8  # the search aims below the budget: predictions are estimates
+
+
+@dataclasses.dataclass
+class Tried:
+    """One map the search measured."""
+
+    label: str
+    policy_map: dict
+    error: float  # on the held-out rows, by the metric
+    latency_s: float
+    bytes: int  # of the output's variables
+    within_budget: bool
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "policy_map": self.policy_map, "error": _json_float(self.error),
+                "latency_s": self.latency_s, "bytes": self.bytes, "within_budget": self.within_budget}
+
+
+@dataclasses.dataclass
+class Suggestion:
+    """The suggested map, and every map measured on the way (the frontier)."""
+
+    policy_map: dict  # the plain form
+    chosen: Tried
+    tried: list[Tried]
+    metric: str
+    output: str
+    budget: float
+    objective: str
+    target: Optional[str]
+    candidates: tuple[str, ...]
+    seconds: float
+    rows: dict[str, int]  # search / held_out
+
+    def keras_config(self) -> dict:
+        """The map as Keras serializes a ``DTypePolicyMap`` (``keras.saving.deserialize_keras_object`` reads it)."""
+        return keras.saving.serialize_keras_object(PolicyMap.load(self.policy_map).to_keras())
+
+    def to_json(self) -> dict:
+        return {"policy_map": self.policy_map, "chosen": self.chosen.label, "metric": self.metric,
+                "output": self.output, "max_error": self.budget, "objective": self.objective, "target": self.target,
+                "candidates": list(self.candidates), "seconds": self.seconds, "rows": self.rows,
+                "frontier": [t.to_json() for t in self.tried]}
+
+    def format_table(self) -> str:
+        header = ("map", "error", "latency ms", "MB", "within")
+        rows = [(t.label + (" *" if t is self.chosen else ""), f"{t.error:.3g}", f"{t.latency_s * 1e3:.1f}",
+                 f"{t.bytes / 1e6:.2f}", "yes" if t.within_budget else "no") for t in self.tried]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        return "\n".join(lines)
+
+
+def suggest(
+    input_dir: Any,
+    data: inputs.InputSource,
+    max_error: float,
+    *,
+    metric: str = "rel_max",
+    output: Optional[str] = None,
+    target: Optional[str] = None,
+    objective: str = "latency",
+    candidates: Optional[Sequence[str]] = None,
+    held_out: float = 0.25,
+    rounds: int = 3,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Suggestion:
+    """The cheapest map (by ``objective`` on ``target``) whose error on held-out rows of ``data`` is within ``max_error``.
+
+    ``data``: an ``.npz`` path, a dict of arrays or an iterable of batches for
+    ``serving_default``. ``metric``: ``rel_max``, ``rel_rms`` or ``top1`` on
+    ``output`` (needed when the signature has several). ``candidates``:
+    policy names, most precise first (default: by objective and target).
+    Writes nothing the caller did not ask for; raises
+    :class:`~tfpolicy.errors.TfPolicyError` for bad input.
+    """
+    started = time.monotonic()
+    say = progress or (lambda message: logger.info(message))
+    input_path = pathlib.Path(input_dir)
+    paths.check_input_dir(input_path)
+    chosen_candidates = _check_arguments(max_error, metric, objective, target, candidates, held_out)
+    batches = inputs.batches_from(data, what="--data", batch_size=BATCH)
+    reference = Model(input_path)
+    inputs.check_inputs(batches[0], measure.SIGNATURE, reference.function, what="--data")
+    batches = [inputs.conform(b, reference.function) for b in batches]
+    name = measure.choose_output(reference.function, output)
+    measure_error = Metric(metric, name)
+    search_rows, verify_rows = measure.split_rows(batches, held_out)
+    sensitivity_rows = search_rows[:SENSITIVITY_BATCHES]
+    timing_batch = search_rows[0]
+    ref_search = reference.outputs(search_rows, name)
+    ref_verify = reference.outputs(verify_rows, name)
+    layers = measure.layer_shapes(input_path)
+    all_paths = sorted(layers)
+
+    with tempfile.TemporaryDirectory(prefix="tfpolicy-suggest-") as scratch:
+        workdir = pathlib.Path(scratch)
+        tried: list[Tried] = []
+        uniform: dict[str, dict] = {}
+        for i, policy in enumerate(chosen_candidates):
+            say(f"candidate {i + 1}/{len(chosen_candidates)}: {policy} on every layer")
+            plain = {"default_policy": policy}
+            if policy == "float32":
+                out_path, report = input_path, None
+            else:
+                out_path = workdir / f"uniform{i}"
+                report = _rewrite(input_path, out_path, plain, target, search_rows)
+            model = reference if out_path == input_path else Model(out_path)
+            error_search = measure_error(ref_search, model.outputs(search_rows, name))
+            error_verify = measure_error(ref_verify, model.outputs(verify_rows, name))
+            stats = {} if report is None else measure.local_errors(input_path, out_path, sensitivity_rows)
+            quantized = set() if report is None else {p for p, q in report.quantization.items() if q.ops_quantized}
+            entry = Tried(f"{policy} (every layer)", plain, error_verify, model.latency(timing_batch),
+                          measure.directory_bytes(out_path / "variables"), error_verify <= max_error)
+            tried.append(entry)
+            uniform[policy] = {"error": error_search, "stats": stats, "quantized": quantized, "tried": entry}
+        tables = _tables(layers, uniform, chosen_candidates, objective)
+        assignment = search.cheapest_within(tables, max_error, MARGIN)
+        seen: set[str] = set()
+        for round_number in range(1, rounds + 1):
+            default = search.majority(assignment, chosen_candidates)
+            plain = {"default_policy": default, "policy_map": search.policy_map(assignment, all_paths, default)}
+            key = json.dumps(plain, sort_keys=True)
+            if key in seen or _is_uniform(plain):
+                break
+            seen.add(key)
+            say(f"verifying suggestion {round_number}: {len(plain['policy_map'])} key(s) over default {default}")
+            out_path = workdir / f"suggested{round_number}"
+            _rewrite(input_path, out_path, plain, target, search_rows)
+            model = Model(out_path)
+            error = measure_error(ref_verify, model.outputs(verify_rows, name))
+            tried.append(Tried(f"suggestion {round_number}", plain, error, model.latency(timing_batch),
+                               measure.directory_bytes(out_path / "variables"), error <= max_error))
+            if error <= max_error:
+                break
+            predicted = tables.predicted_error(assignment, default)
+            tables = _scaled(tables, error / predicted if predicted > 0 else 2.0)
+            again = search.cheapest_within(tables, max_error, MARGIN)
+            assignment = again if again != assignment else (search.back_off(tables, assignment) or assignment)
+    best = _best(tried, objective)
+    if best is None:
+        raise TfPolicyError(f"no map tried keeps {measure_error.name} of '{name}' within {max_error:g} on the held-out"
+                            f" rows, not even {chosen_candidates[0]} on every layer; raise --max_error")
+    return Suggestion(best.policy_map, best, tried, metric, name, max_error, objective, target, chosen_candidates,
+                      time.monotonic() - started,
+                      {"search": sum(measure._rows(b) for b in search_rows),
+                       "held_out": sum(measure._rows(b) for b in verify_rows)})
+
+
+def _check_arguments(max_error, metric, objective, target, candidates, held_out) -> tuple[str, ...]:
+    if not (isinstance(max_error, (int, float)) and max_error >= 0 and math.isfinite(max_error)):
+        raise InputDataError(f"--max_error must be a non-negative number, got {max_error!r}")
+    if metric not in METRICS:
+        raise InputDataError(f"--metric must be one of {', '.join(METRICS)}, got '{metric}'")
+    if objective not in OBJECTIVES:
+        raise InputDataError(f"--objective must be one of {', '.join(OBJECTIVES)}, got '{objective}'")
+    if not 0 < held_out < 1:
+        raise InputDataError(f"the held-out share must be between 0 and 1, got {held_out}")
+    chosen = tuple(candidates) if candidates else DEFAULT_CANDIDATES.get(
+        (objective, target), DEFAULT_CANDIDATES[(objective, None)])
+    if not chosen:
+        raise InputDataError("--candidates is empty")
+    for name in chosen:
+        try:
+            keras.dtype_policies.get(name)
+        except (ValueError, TypeError) as exc:
+            raise InputDataError(f"--candidates: '{name}' is not a Keras dtype policy ({exc})") from None
+    if len(set(chosen)) != len(chosen):
+        raise InputDataError(f"--candidates names a policy twice: {', '.join(chosen)}")
+    return chosen
+
+
+def _rewrite(input_path: pathlib.Path, out_path: pathlib.Path, plain: dict, target: Optional[str], rows) -> Any:
+    from tfpolicy import api  # noqa: PLC0415
+
+    needs_data = any(getattr(keras.dtype_policies.get(p), "quantization_mode", None) == "float8"
+                     for p in [plain["default_policy"], *plain.get("policy_map", {}).values()])
+    # The search's own rewrites: their warnings (a quantized policy on a normalization layer, which
+    # every uniform int8 map has) are not the user's.
+    package = logging.getLogger("tfpolicy")
+    level = package.level
+    package.setLevel(logging.ERROR)
+    try:
+        return api.rewrite(input_path, out_path, plain, overwrite=True, target=target, serving_checks=False,
+                           calibration_data=list(rows) if needs_data else None)
+    finally:
+        package.setLevel(level)
+
+
+def _tables(layers: dict[str, measure.LayerShape], uniform: dict[str, dict], candidates: tuple[str, ...],
+            objective: str) -> search.Tables:
+    """Shares of error and costs per layer and candidate, from the uniform runs."""
+    any_stats = next((u["stats"] for u in uniform.values() if u["stats"]), {})
+    if objective == "latency":
+        work = {path: measure.multiply_adds(shape, any_stats.get(path)) for path, shape in layers.items()}
+        total = sum(work.values()) or 1.0
+        cost = {path: {p: work[path] / total * uniform[p]["tried"].latency_s for p in candidates}
+                for path in layers if work[path] > 0}
+    else:
+        policies = {p: keras.dtype_policies.get(p) for p in candidates}
+        cost = {path: {p: measure.stored_bytes(shape, policies[p], path in uniform[p]["quantized"]) for p in candidates}
+                for path, shape in layers.items()}
+        cost = {path: c for path, c in cost.items() if len(set(c.values())) > 1}
+    share: dict[str, dict[str, float]] = {path: {} for path in cost}
+    rest: dict[str, float] = {}
+    for policy in candidates:
+        stats = uniform[policy]["stats"]
+        local = {path: (s.rel_error if math.isfinite(s.rel_error) else 1.0) for path, s in stats.items()}
+        total = sum(local.values())
+        error = uniform[policy]["error"]
+        scale = error / total if total > 0 else 0.0
+        for path in cost:
+            share[path][policy] = scale * local.get(path, 0.0)
+        rest[policy] = scale * sum(v for path, v in local.items() if path not in cost)
+    return search.Tables(candidates, share, cost, rest)
+
+
+def _scaled(tables: search.Tables, factor: float) -> search.Tables:
+    share = {layer: {p: v * factor for p, v in row.items()} for layer, row in tables.share.items()}
+    return search.Tables(tables.candidates, share, tables.cost, {p: v * factor for p, v in tables.rest.items()})
+
+
+def _is_uniform(plain: dict) -> bool:
+    return not plain["policy_map"]
+
+
+def _best(tried: list[Tried], objective: str) -> Optional[Tried]:
+    within = [t for t in tried if t.within_budget]
+    if not within:
+        return None
+    return min(within, key=lambda t: (t.latency_s if objective == "latency" else t.bytes, t.error))
+
+
+def _json_float(value: float) -> Any:
+    return value if math.isfinite(value) else str(value)
