@@ -17,12 +17,12 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 300
 
 
-def run_cli(args: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    """Run ``python -m tfpolicy.rewrite *args`` as a user would."""
+def run_cli(args: list[str], cwd: pathlib.Path, module: str = "tfpolicy.rewrite") -> subprocess.CompletedProcess:
+    """Run ``python -m <module> *args`` (the rewrite command by default) as a user would."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # conftest sets it; a user's shell does not
     return subprocess.run(
-        [sys.executable, "-m", "tfpolicy.rewrite", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
     )
 
