@@ -23,9 +23,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfpolicy.analysis import layer_index
-from tfpolicy.core import savedmodel_io
 from tfpolicy.errors import InputDataError
-from tfpolicy.validation.layer_errors import LayerStats, compare_layers
+from tfpolicy.validation.layer_errors import LayerStats, compare_layers, load_reference
 
 SIGNATURE = "serving_default"
 METRICS = ("rel_max", "rel_rms", "top1")
@@ -106,10 +105,8 @@ class LayerShape:
     kernel_names: tuple[str, ...]
 
 
-def layer_shapes(input_path: pathlib.Path) -> dict[str, LayerShape]:
-    """Every layer that owns variables, by its path (as the rewrite finds it)."""
-    model = savedmodel_io.load(input_path, [SIGNATURE], streamed=True)
-    index = layer_index.build(model)
+def layer_shapes(index: layer_index.LayerIndex) -> dict[str, LayerShape]:
+    """Every layer that owns variables, by its path (as the rewrite finds it, in the input's ``index``)."""
     found: dict[str, LayerShape] = {}
     for path, info in index.layers.items():
         kernels, names, other = [], [], 0
@@ -151,9 +148,14 @@ def multiply_adds(layer: LayerShape, stats: Optional[LayerStats]) -> float:
     return total
 
 
-def local_errors(input_path: pathlib.Path, output_path: pathlib.Path, batches: Sequence[Batch]) -> dict[str, LayerStats]:
-    """Per layer path: the error it adds fed the float model's inputs (``--validate``'s per-layer report)."""
-    return {s.layer: s for s in compare_layers(input_path, output_path, SIGNATURE, list(batches)) if s.layer}
+def local_errors(input_path: pathlib.Path, output_path: pathlib.Path, batches: Sequence[Batch],
+                 reference: Any = None) -> dict[str, LayerStats]:
+    """Per layer path: the error it adds fed the float model's inputs (``--validate``'s per-layer report).
+
+    ``reference``: :func:`~tfpolicy.validation.layer_errors.load_reference` of the input, loaded once.
+    """
+    stats = compare_layers(input_path, output_path, SIGNATURE, list(batches), reference)
+    return {s.layer: s for s in stats if s.layer}
 
 
 VARIABLE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

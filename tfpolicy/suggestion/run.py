@@ -48,7 +48,7 @@ DEFAULT_CANDIDATES = {
 }
 BATCH = 16
 SENSITIVITY_BATCHES = 2
-MARGIN = 0.8  # the search aims below the budget: predictions are estimates
+MARGIN = 0.9  # the search aims below the budget: predictions are estimates
 
 
 @dataclasses.dataclass
@@ -142,8 +142,9 @@ def suggest(
     timing_batch = search_rows[0]
     ref_search = reference.outputs(search_rows, name)
     ref_verify = reference.outputs(verify_rows, name)
-    layers = measure.layer_shapes(input_path)
-    all_paths = sorted(layers)
+    float_graph = measure.load_reference(input_path, measure.SIGNATURE)  # (program, layer index), read only
+    layers = measure.layer_shapes(float_graph[1])
+    all_paths = sorted(float_graph[1].paths())
 
     with tempfile.TemporaryDirectory(prefix="tfpolicy-suggest-") as scratch:
         workdir = pathlib.Path(scratch)
@@ -160,9 +161,9 @@ def suggest(
             model = reference if out_path == input_path else Model(out_path)
             error_search = measure_error(ref_search, model.outputs(search_rows, name))
             error_verify = measure_error(ref_verify, model.outputs(verify_rows, name))
-            stats = {} if report is None else measure.local_errors(input_path, out_path, sensitivity_rows)
+            stats = {} if report is None else measure.local_errors(input_path, out_path, sensitivity_rows, float_graph)
             quantized = set() if report is None else {p for p, q in report.quantization.items() if q.ops_quantized}
-            entry = Tried(f"{policy} (every layer)", plain, error_verify, model.latency(timing_batch),
+            entry = Tried(f"{policy} (every layer)", plain, error_verify, model.latency(timing_batch, runs=3, warmups=1),
                           measure.directory_bytes(out_path / "variables"), error_verify <= max_error)
             tried.append(entry)
             uniform[policy] = {"error": error_search, "stats": stats, "quantized": quantized, "tried": entry}
@@ -181,7 +182,7 @@ def suggest(
             _rewrite(input_path, out_path, plain, target, search_rows)
             model = Model(out_path)
             error = measure_error(ref_verify, model.outputs(verify_rows, name))
-            tried.append(Tried(f"suggestion {round_number}", plain, error, model.latency(timing_batch),
+            tried.append(Tried(f"suggestion {round_number}", plain, error, model.latency(timing_batch, runs=3, warmups=1),
                                measure.directory_bytes(out_path / "variables"), error <= max_error))
             if error <= max_error:
                 break
@@ -258,12 +259,12 @@ def _tables(layers: dict[str, measure.LayerShape], uniform: dict[str, dict], can
     for policy in candidates:
         stats = uniform[policy]["stats"]
         local = {path: (s.rel_error if math.isfinite(s.rel_error) else 1.0) for path, s in stats.items()}
-        total = sum(local.values())
+        total = math.sqrt(sum(v * v for v in local.values()))
         error = uniform[policy]["error"]
         scale = error / total if total > 0 else 0.0
         for path in cost:
             share[path][policy] = scale * local.get(path, 0.0)
-        rest[policy] = scale * sum(v for path, v in local.items() if path not in cost)
+        rest[policy] = scale * math.sqrt(sum(v * v for path, v in local.items() if path not in cost))
     return search.Tables(candidates, share, cost, rest)
 
 

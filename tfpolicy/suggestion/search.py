@@ -5,14 +5,15 @@ step (:mod:`tfpolicy.suggestion.measure`) has taken.
 
 The model it searches with::
 
-    error(assignment) ~ rest + sum over layers L of share[L][P_L]
-    cost(assignment)  =        sum over layers L of cost[L][P_L]
+    error(assignment) ~ sqrt(rest**2 + sum over layers L of share[L][P_L]**2)
+    cost(assignment)  =              sum over layers L of cost[L][P_L]
 
 ``share[L][P]`` is layer L's part of the output error that candidate P
 caused when it was applied to every layer: the uniform model's measured
-error, split over the layers in proportion to the error each adds locally
-(fed the float model's inputs). Errors of independent roundings add, so a
-layer left in float32 takes its share out.
+error, split over the layers by the error each adds locally (fed the float
+model's inputs), so that the shares of a uniform map give back its measured
+error. Roundings in different layers are independent, so their errors add
+like noise, in squares; a layer left in float32 takes its share out.
 
 The search (:func:`cheapest_within`) starts every layer at its cheapest
 candidate and, while the predicted error is over the budget, makes the move
@@ -44,7 +45,9 @@ class Tables:
         return sorted(self.share)
 
     def predicted_error(self, assignment: Mapping[str, str], default: str) -> float:
-        return self.rest.get(default, 0.0) + sum(self.share[layer][policy] for layer, policy in assignment.items())
+        squares = self.rest.get(default, 0.0) ** 2
+        squares += sum(self.share[layer][policy] ** 2 for layer, policy in assignment.items())
+        return squares ** 0.5
 
     def predicted_cost(self, assignment: Mapping[str, str]) -> float:
         return sum(self.cost[layer][policy] for layer, policy in assignment.items())
@@ -73,9 +76,9 @@ def cheapest_within(tables: Tables, budget: float, margin: float = 1.0) -> Assig
 def _best_move(tables: Tables, assignment: Mapping[str, str]) -> Optional[tuple[str, str]]:
     best, best_value = None, -1.0
     for layer, policy in assignment.items():
-        now_error, now_cost = tables.share[layer][policy], tables.cost[layer][policy]
+        now_error, now_cost = tables.share[layer][policy] ** 2, tables.cost[layer][policy]
         for other in tables.candidates:
-            gained = now_error - tables.share[layer][other]
+            gained = now_error - tables.share[layer][other] ** 2
             if gained <= 0:
                 continue
             added = max(tables.cost[layer][other] - now_cost, 0.0)

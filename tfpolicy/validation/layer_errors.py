@@ -147,13 +147,22 @@ class LayerStats:
 
 
 
-def compare_layers(
-    input_path: pathlib.Path, output_path: pathlib.Path, key: str, batches: list[dict[str, np.ndarray]]
-) -> list[LayerStats]:
-    """Local and cumulative error of every layer of signature ``key``, largest local first."""
+def load_reference(input_path: pathlib.Path, key: str) -> tuple[SignatureProgram, layer_index.LayerIndex]:
+    """The float model's signature ``key`` and its layer index, which :func:`compare_layers` only reads."""
     reference = savedmodel_io.load(input_path, [key])
-    index = layer_index.build(reference)
-    float_program = reference.signatures[key]
+    return reference.signatures[key], layer_index.build(reference)
+
+
+def compare_layers(
+    input_path: pathlib.Path, output_path: pathlib.Path, key: str, batches: list[dict[str, np.ndarray]],
+    reference: Optional[tuple[SignatureProgram, layer_index.LayerIndex]] = None,
+) -> list[LayerStats]:
+    """Local and cumulative error of every layer of signature ``key``, largest local first.
+
+    ``reference``: :func:`load_reference` of ``input_path``, when the caller
+    compares several outputs with one input (``tfpolicy suggest``).
+    """
+    float_program, index = reference or load_reference(input_path, key)
     rewritten_program = savedmodel_io.load(output_path, [key]).signatures[key]
     inline_calls(rewritten_program)
     compared = _compared_tensors(float_program, rewritten_program.graph, index)
