@@ -144,7 +144,7 @@ def suggest(
     ref_verify = reference.outputs(verify_rows, name)
     float_graph = measure.load_reference(input_path, measure.SIGNATURE)  # (program, layer index), read only
     layers = measure.layer_shapes(float_graph[1])
-    all_paths = sorted(float_graph[1].paths())
+    all_paths = sorted(float_graph[1].paths)
 
     with tempfile.TemporaryDirectory(prefix="tfpolicy-suggest-") as scratch:
         workdir = pathlib.Path(scratch)
