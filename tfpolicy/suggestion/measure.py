@@ -154,7 +154,7 @@ def local_errors(input_path: pathlib.Path, output_path: pathlib.Path, batches: S
 
     ``reference``: :func:`~tfpolicy.validation.layer_errors.load_reference` of the input, loaded once.
     """
-    stats = compare_layers(input_path, output_path, SIGNATURE, list(batches), reference)
+    stats = compare_layers(input_path, output_path, SIGNATURE, list(batches), reference, cumulative=False)
     return {s.layer: s for s in stats if s.layer}
 
 

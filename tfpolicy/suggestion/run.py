@@ -47,7 +47,8 @@ DEFAULT_CANDIDATES = {
     ("bytes", None): ("float32", "bfloat16", "int8_from_bfloat16", "int4/128_from_bfloat16"),
 }
 BATCH = 16
-SENSITIVITY_BATCHES = 2
+SENSITIVITY_ROWS = 4  # the per-layer comparison runs the model three times: a few rows tell each layer's error
+TIMING_ROWS = 8  # latency is measured at this batch (or the data's, if smaller)
 MARGIN = 0.9  # the search aims below the budget: predictions are estimates
 
 
@@ -138,8 +139,8 @@ def suggest(
     name = measure.choose_output(reference.function, output)
     measure_error = Metric(metric, name)
     search_rows, verify_rows = measure.split_rows(batches, held_out)
-    sensitivity_rows = search_rows[:SENSITIVITY_BATCHES]
-    timing_batch = search_rows[0]
+    sensitivity_rows = [_head(search_rows[0], SENSITIVITY_ROWS)]
+    timing_batch = _head(search_rows[0], TIMING_ROWS)
     ref_search = reference.outputs(search_rows, name)
     ref_verify = reference.outputs(verify_rows, name)
     float_graph = measure.load_reference(input_path, measure.SIGNATURE)  # (program, layer index), read only
@@ -271,6 +272,10 @@ def _tables(layers: dict[str, measure.LayerShape], uniform: dict[str, dict], can
 def _scaled(tables: search.Tables, factor: float) -> search.Tables:
     share = {layer: {p: v * factor for p, v in row.items()} for layer, row in tables.share.items()}
     return search.Tables(tables.candidates, share, tables.cost, {p: v * factor for p, v in tables.rest.items()})
+
+
+def _head(batch: dict, rows: int) -> dict:
+    return {k: v[:rows] if getattr(v, "ndim", 0) else v for k, v in batch.items()}
 
 
 def _is_uniform(plain: dict) -> bool:

@@ -155,12 +155,13 @@ def load_reference(input_path: pathlib.Path, key: str) -> tuple[SignatureProgram
 
 def compare_layers(
     input_path: pathlib.Path, output_path: pathlib.Path, key: str, batches: list[dict[str, np.ndarray]],
-    reference: Optional[tuple[SignatureProgram, layer_index.LayerIndex]] = None,
+    reference: Optional[tuple[SignatureProgram, layer_index.LayerIndex]] = None, cumulative: bool = True,
 ) -> list[LayerStats]:
     """Local and cumulative error of every layer of signature ``key``, largest local first.
 
     ``reference``: :func:`load_reference` of ``input_path``, when the caller
     compares several outputs with one input (``tfpolicy suggest``).
+    ``cumulative=False`` skips the plain rewritten run (its errors are NaN).
     """
     float_program, index = reference or load_reference(input_path, key)
     rewritten_program = savedmodel_io.load(output_path, [key]).signatures[key]
@@ -170,26 +171,27 @@ def compare_layers(
         return []
     float_fn = _function(float_program, {_fetch_key(i): _tensor_name(c.float_ref) for i, c in enumerate(compared)}, [])
     rewritten_fetches = {_fetch_key(i): _tensor_name(c.rewritten_ref) for i, c in enumerate(compared)}
-    cumulative_fn = _function(rewritten_program, rewritten_fetches, [])
+    cumulative_fn = _function(rewritten_program, rewritten_fetches, []) if cumulative else None
     feeds = _cut_layer_boundaries(rewritten_program.graph, float_program, compared, index)
     local_fn = _function(rewritten_program, rewritten_fetches, [f"{name}:0" for name in feeds])
     feed_dtypes = [tf.dtypes.as_dtype(rewritten_program.graph.tensor_dtype(c.rewritten_ref)) for c in compared]
     local = [ErrorAccumulator() for _ in compared]
-    cumulative = [ErrorAccumulator() for _ in compared]
+    accumulated = [ErrorAccumulator() for _ in compared]
     shapes: list[tuple[int, ...]] = [() for _ in compared]
     names = _input_names(float_program)
     for batch in batches:
         args = [tf.constant(batch[name]) for name in names]
         ref_values = _numpy(float_fn(*args))
-        cumulative_values = _numpy(cumulative_fn(*args))
+        cumulative_values = _numpy(cumulative_fn(*args)) if cumulative_fn is not None else None
         fed = [tf.cast(tf.constant(ref_values[_fetch_key(i)]), dtype) for i, dtype in enumerate(feed_dtypes)]
         local_values = _numpy(local_fn(*args, *fed))
         for i in range(len(compared)):
             fetched = _fetch_key(i)
             local[i].add(ref_values[fetched], local_values[fetched])
-            cumulative[i].add(ref_values[fetched], cumulative_values[fetched])
+            if cumulative_values is not None:
+                accumulated[i].add(ref_values[fetched], cumulative_values[fetched])
             shapes[i] = tuple(int(n) for n in np.shape(ref_values[fetched]))
-    return _per_layer(compared, local, cumulative, shapes)
+    return _per_layer(compared, local, accumulated, shapes)
 
 
 @dataclasses.dataclass(frozen=True)
