@@ -154,7 +154,7 @@ def _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned:
     current = {name: variable.numpy() for name, variable in built.new_variables.items() if variable.is_initialized()}
     report.quantization = quantization_rows(state.qplan, state.passes.quantized, _scales(state.new_variables) | current,
                                             state.new_variables)
-    report.output_bytes = _directory_bytes(output_path)
+    report.output_bytes = paths.directory_bytes(output_path)
     logger.debug("wrote %s", output_path)
     return report
 
@@ -263,7 +263,7 @@ def _run(input_path, output_path, policy_map, signatures, target=None, int8_conv
         declined_by_layer=passes.declined,
         variables_converted=_converted_rows(variable_dtypes, index),
         warnings=warnings,
-        input_bytes=_directory_bytes(input_path),
+        input_bytes=paths.directory_bytes(input_path),
         # A rewrite reads the scales once the kernels are written (quantized once); explain reads them now.
         quantization=quantization_rows(qplan, passes.quantized, _scales(new_variables) if output_path is None else {},
                                        new_variables),
@@ -427,5 +427,3 @@ def _scales(new_variables: dict[str, NewVariable]) -> dict:
     return {name: spec.value for name, spec in new_variables.items() if name.endswith("_scale")}
 
 
-def _directory_bytes(path: pathlib.Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

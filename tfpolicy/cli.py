@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -183,8 +183,13 @@ def _check_flag_combinations(positional: list[str]) -> None:
 
 def main(argv: Sequence[str]) -> None:
     """The command: SIGINT and SIGTERM at any point end it with one line, nothing half-written left."""
+    guarded(_main, argv)
+
+
+def guarded(body: Callable[[Sequence[str]], None], argv: Sequence[str]) -> None:
+    """Run a command's ``body``: an interrupt at any point ends it with one line (also ``tfpolicy.suggest``'s)."""
     try:
-        _main(argv)
+        body(argv)
     except (_Interrupted, KeyboardInterrupt):
         pass
     except (SystemExit, Exception):
@@ -209,7 +214,7 @@ def _main(argv: Sequence[str]) -> None:
     _check_paths(positional)
     _quiet_tensorflow()
     from tfpolicy import api  # noqa: PLC0415  (after the environment is set)
-    from tfpolicy.errors import TfPolicyError, ValidationError  # noqa: PLC0415
+    from tfpolicy.errors import ValidationError  # noqa: PLC0415
     from tfpolicy.validation import compare  # noqa: PLC0415
 
     _show_progress()
@@ -243,23 +248,29 @@ def _main(argv: Sequence[str]) -> None:
             exc.report.validation = validation
         _write_reports(exc.report, validation)
         _fail_validation(validation)
-    except TfPolicyError as exc:
-        if _received:  # an error the interrupt caused (a write cut short)
-            raise _Interrupted(_received[0]) from exc
-        _fail(str(exc))
-    except Exception as exc:  # noqa: BLE001  (a bug of ours: one line, not a traceback)
-        if _received:  # the interrupt, rewrapped by TensorFlow's C++ (pybind11) on its way up
-            raise _Interrupted(_received[0]) from exc
-        if os.environ.get("TFPOLICY_DEBUG"):
-            raise
-        from tfpolicy.errors import cause_line  # noqa: PLC0415
-
-        first = cause_line(str(exc))
-        print(_line(f"tfpolicy: internal error: {type(exc).__name__}: {first} (nothing was written;"
-                    " TFPOLICY_DEBUG=1 shows the traceback; please report it)"), file=sys.stderr)
-        sys.exit(EXIT_INTERNAL_ERROR)
+    except Exception as exc:  # noqa: BLE001  (a user error, or a bug of ours: one line, not a traceback)
+        fail_on(exc)
     if validation is not None and not validation.passed:
         _fail_validation(validation)
+
+
+def fail_on(exc: Exception) -> NoReturn:
+    """The one line for an exception that ends a command: a user error's message (exit 2), or an internal error (3).
+
+    An error the interrupt caused (a write cut short, or the interrupt rewrapped
+    by TensorFlow's C++ on its way up) is the interrupt.
+    """
+    from tfpolicy.errors import TfPolicyError, cause_line  # noqa: PLC0415
+
+    if _received:
+        raise _Interrupted(_received[0]) from exc
+    if isinstance(exc, TfPolicyError):
+        _fail(str(exc))
+    if os.environ.get("TFPOLICY_DEBUG"):
+        raise exc
+    print(_line(f"tfpolicy: internal error: {type(exc).__name__}: {cause_line(str(exc))} (nothing was written;"
+                " TFPOLICY_DEBUG=1 shows the traceback; please report it)"), file=sys.stderr)
+    sys.exit(EXIT_INTERNAL_ERROR)
 
 
 def _rewrite(input_dir: str, output_dir: str, started: float) -> Report:

@@ -63,15 +63,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     for each in (signal.SIGINT, signal.SIGTERM):
         signal.signal(each, cli._on_interrupt)
-    try:
-        _main(list(sys.argv[1:] if argv is None else argv))
-    except (cli._Interrupted, KeyboardInterrupt):
-        pass
-    except (SystemExit, Exception):
-        if not cli._received:
-            raise
-    if cli._received:
-        cli._report_interrupt(cli._received[0])
+    cli.guarded(_main, list(sys.argv[1:] if argv is None else argv))
 
 
 def _main(argv: list[str]) -> None:
@@ -83,7 +75,6 @@ def _main(argv: list[str]) -> None:
     keras_out = out.with_name(out.stem + ".keras.json")
     _check_paths(args, out, keras_out)
     cli._quiet_tensorflow()
-    from tfpolicy.errors import TfPolicyError  # noqa: PLC0415
     from tfpolicy.suggestion import suggest  # noqa: PLC0415
     from tfpolicy.suggestion import frontier_html  # noqa: PLC0415
 
@@ -94,26 +85,17 @@ def _main(argv: list[str]) -> None:
         result = suggest(args.input, args.data, args.max_error, metric=args.metric, output=args.output,
                          target=args.target, objective=args.objective,
                          candidates=args.candidates.split(",") if args.candidates else None, progress=say)
-        _write(out, json.dumps(result.policy_map, indent=2) + "\n")
-        _write(keras_out, json.dumps(result.keras_config(), indent=2) + "\n")
+        # Every text first: a failure to make one leaves no file of the set behind.
+        texts = {out: json.dumps(result.policy_map, indent=2) + "\n",
+                 keras_out: json.dumps(result.keras_config(), indent=2) + "\n"}
         if args.report:
-            _write(pathlib.Path(args.report), json.dumps(result.to_json(), indent=2) + "\n")
+            texts[pathlib.Path(args.report)] = json.dumps(result.to_json(), indent=2) + "\n"
         if args.html:
-            _write(pathlib.Path(args.html), frontier_html.render(result))
-    except TfPolicyError as exc:
-        if cli._received:
-            raise cli._Interrupted(cli._received[0]) from exc
-        cli._fail(str(exc))
-    except Exception as exc:  # noqa: BLE001  (a bug of ours: one line, not a traceback)
-        if cli._received:
-            raise cli._Interrupted(cli._received[0]) from exc
-        if os.environ.get("TFPOLICY_DEBUG"):
-            raise
-        from tfpolicy.errors import cause_line  # noqa: PLC0415
-
-        print(cli._line(f"tfpolicy: internal error: {type(exc).__name__}: {cause_line(str(exc))} (TFPOLICY_DEBUG=1"
-                        " shows the traceback; please report it)"), file=sys.stderr)
-        sys.exit(cli.EXIT_INTERNAL_ERROR)
+            texts[pathlib.Path(args.html)] = frontier_html.render(result)
+        for path, text in texts.items():
+            _write(path, text)
+    except Exception as exc:  # noqa: BLE001  (a user error, or a bug of ours: one line, not a traceback)
+        cli.fail_on(exc)
     if not args.quiet:
         print(result.format_table())
         chosen = result.chosen

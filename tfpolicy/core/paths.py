@@ -87,3 +87,8 @@ def check_report_path(path: Optional[str], input_dir: Optional[pathlib.Path],
     problem = "it is a directory" if report.is_dir() else _parent_problem(report.parent)
     if problem is not None:
         raise OutputError(f"cannot write {what} '{path}': {problem}")
+
+
+def directory_bytes(path: pathlib.Path) -> int:
+    """Bytes of every file under ``path`` (a SavedModel's size, or its ``variables/``)."""
+    return sum(f.stat().st_size for f in pathlib.Path(path).rglob("*") if f.is_file())

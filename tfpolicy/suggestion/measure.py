@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpolicy.analysis import layer_index
+from tfpolicy.core import inputs
 from tfpolicy.errors import InputDataError
 from tfpolicy.validation.layer_errors import LayerStats, compare_layers, load_reference
 
@@ -73,14 +74,13 @@ class Model:
     """A loaded SavedModel's ``serving_default``: outputs on batches, and its latency."""
 
     def __init__(self, path: pathlib.Path) -> None:
-        self.path = path
         self._loaded = tf.saved_model.load(str(path))
         self.function = self._loaded.signatures[SIGNATURE]
 
     def outputs(self, batches: Sequence[Batch], name: str) -> list[np.ndarray]:
         return [self.function(**{k: tf.constant(v) for k, v in batch.items()})[name].numpy() for batch in batches]
 
-    def latency(self, batch: Batch, runs: int = 5, warmups: int = 2) -> float:
+    def latency(self, batch: Batch, runs: int = 3, warmups: int = 1) -> float:
         """Seconds of the fastest of ``runs`` calls after ``warmups`` (a graph call, as TF Serving makes it)."""
         feed = {k: tf.constant(v) for k, v in batch.items()}
         for _ in range(warmups):
@@ -99,7 +99,6 @@ class Model:
 class LayerShape:
     """A layer the map can address, with what its work and storage scale with."""
 
-    path: str
     kernels: tuple[tuple[int, ...], ...]  # rank >= 2 variables: what int8/int4/float8 quantize
     other_elements: int  # biases, norms' scales
     kernel_names: tuple[str, ...]
@@ -118,7 +117,7 @@ def layer_shapes(index: layer_index.LayerIndex) -> dict[str, LayerShape]:
             else:
                 other += int(np.prod(shape)) if shape else 1
         if kernels or other:
-            found[path] = LayerShape(path, tuple(kernels), other, tuple(names))
+            found[path] = LayerShape(tuple(kernels), other, tuple(names))
     return found
 
 
@@ -140,8 +139,7 @@ def multiply_adds(layer: LayerShape, stats: Optional[LayerStats]) -> float:
         if name.rsplit("/", 1)[-1].split(":")[0] in ("embeddings", "embedding"):
             continue
         trailing = 0
-        while (trailing < min(len(shape), len(output)) - 0 and
-               shape[len(shape) - 1 - trailing] == output[len(output) - 1 - trailing]):
+        while trailing < min(len(shape), len(output)) and shape[-1 - trailing] == output[-1 - trailing]:
             trailing += 1
         features = int(np.prod(shape[len(shape) - max(trailing, 1):]))
         total += elements * (int(np.prod(shape)) / max(features, 1))
@@ -184,30 +182,26 @@ def stored_bytes(layer: LayerShape, policy: Any, quantized: bool) -> float:
     return float(total)
 
 
-def directory_bytes(path: pathlib.Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def split_rows(batches: Sequence[Batch], held_out: float) -> tuple[list[Batch], list[Batch]]:
     """(search rows, held-out rows): the last ``held_out`` share of the rows, at least one, are held out."""
-    rows = sum(_rows(b) for b in batches)
+    rows = sum(inputs.batch_rows(b) for b in batches)
     if rows < 2:
         raise InputDataError(f"--data holds {rows} row(s); suggest needs at least 2 (some are held out to verify)")
     keep = rows - max(1, int(round(rows * held_out)))
     search, verify, seen = [], [], 0
     for batch in batches:
-        n = _rows(batch)
+        n = inputs.batch_rows(batch)
         if seen + n <= keep:
             search.append(batch)
         elif seen >= keep:
             verify.append(batch)
         else:
-            cut = keep - seen
-            search.append({k: v[:cut] if np.ndim(v) else v for k, v in batch.items()})
-            verify.append({k: v[cut:] if np.ndim(v) else v for k, v in batch.items()})
+            search.append(rows_of(batch, 0, keep - seen))
+            verify.append(rows_of(batch, keep - seen, n))
         seen += n
     return search, verify
 
 
-def _rows(batch: Mapping[str, np.ndarray]) -> int:
-    return max((len(v) for v in batch.values() if np.ndim(v)), default=1)
+def rows_of(batch: Mapping[str, np.ndarray], start: int, stop: int) -> Batch:
+    """Rows ``start:stop`` of every batch-first array; a scalar input goes with every slice."""
+    return {k: v[start:stop] if np.ndim(v) else v for k, v in batch.items()}

@@ -34,6 +34,7 @@ from tfpolicy.core import inputs, paths
 from tfpolicy.errors import InputDataError, TfPolicyError
 from tfpolicy.suggestion import measure, search
 from tfpolicy.suggestion.measure import METRICS, Metric, Model
+from tfpolicy.validation.layer_errors import json_float
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Tried:
     within_budget: bool
 
     def to_json(self) -> dict:
-        return {"label": self.label, "policy_map": self.policy_map, "error": _json_float(self.error),
+        return {"label": self.label, "policy_map": self.policy_map, "error": json_float(self.error),
                 "latency_s": self.latency_s, "bytes": self.bytes, "within_budget": self.within_budget}
 
 
@@ -139,8 +140,8 @@ def suggest(
     name = measure.choose_output(reference.function, output)
     measure_error = Metric(metric, name)
     search_rows, verify_rows = measure.split_rows(batches, held_out)
-    sensitivity_rows = [_head(search_rows[0], SENSITIVITY_ROWS)]
-    timing_batch = _head(search_rows[0], TIMING_ROWS)
+    sensitivity_rows = [measure.rows_of(search_rows[0], 0, SENSITIVITY_ROWS)]
+    timing_batch = measure.rows_of(search_rows[0], 0, TIMING_ROWS)
     ref_search = reference.outputs(search_rows, name)
     ref_verify = reference.outputs(verify_rows, name)
     float_graph = measure.load_reference(input_path, measure.SIGNATURE)  # (program, layer index), read only
@@ -151,6 +152,15 @@ def suggest(
         workdir = pathlib.Path(scratch)
         tried: list[Tried] = []
         uniform: dict[str, dict] = {}
+
+        def measured(label: str, plain: dict, model: Model, out_path: pathlib.Path) -> Tried:
+            """The map's held-out error, latency and stored bytes, added to the frontier."""
+            error = measure_error(ref_verify, model.outputs(verify_rows, name))
+            entry = Tried(label, plain, error, model.latency(timing_batch),
+                          paths.directory_bytes(out_path / "variables"), error <= max_error)
+            tried.append(entry)
+            return entry
+
         for i, policy in enumerate(chosen_candidates):
             say(f"candidate {i + 1}/{len(chosen_candidates)}: {policy} on every layer")
             plain = {"default_policy": policy}
@@ -161,12 +171,9 @@ def suggest(
                 report = _rewrite(input_path, out_path, plain, target, search_rows)
             model = reference if out_path == input_path else Model(out_path)
             error_search = measure_error(ref_search, model.outputs(search_rows, name))
-            error_verify = measure_error(ref_verify, model.outputs(verify_rows, name))
             stats = {} if report is None else measure.local_errors(input_path, out_path, sensitivity_rows, float_graph)
             quantized = set() if report is None else {p for p, q in report.quantization.items() if q.ops_quantized}
-            entry = Tried(f"{policy} (every layer)", plain, error_verify, model.latency(timing_batch, runs=3, warmups=1),
-                          measure.directory_bytes(out_path / "variables"), error_verify <= max_error)
-            tried.append(entry)
+            entry = measured(f"{policy} (every layer)", plain, model, out_path)
             uniform[policy] = {"error": error_search, "stats": stats, "quantized": quantized, "tried": entry}
         tables = _tables(layers, uniform, chosen_candidates, objective)
         assignment = search.cheapest_within(tables, max_error, MARGIN)
@@ -175,16 +182,13 @@ def suggest(
             default = search.majority(assignment, chosen_candidates)
             plain = {"default_policy": default, "policy_map": search.policy_map(assignment, all_paths, default)}
             key = json.dumps(plain, sort_keys=True)
-            if key in seen or _is_uniform(plain):
+            if key in seen or not plain["policy_map"]:  # a uniform map was measured above
                 break
             seen.add(key)
             say(f"verifying suggestion {round_number}: {len(plain['policy_map'])} key(s) over default {default}")
             out_path = workdir / f"suggested{round_number}"
             _rewrite(input_path, out_path, plain, target, search_rows)
-            model = Model(out_path)
-            error = measure_error(ref_verify, model.outputs(verify_rows, name))
-            tried.append(Tried(f"suggestion {round_number}", plain, error, model.latency(timing_batch, runs=3, warmups=1),
-                               measure.directory_bytes(out_path / "variables"), error <= max_error))
+            error = measured(f"suggestion {round_number}", plain, Model(out_path), out_path).error
             if error <= max_error:
                 break
             predicted = tables.predicted_error(assignment, default)
@@ -197,8 +201,8 @@ def suggest(
                             f" rows, not even {chosen_candidates[0]} on every layer; raise --max_error")
     return Suggestion(best.policy_map, best, tried, metric, name, max_error, objective, target, chosen_candidates,
                       time.monotonic() - started,
-                      {"search": sum(measure._rows(b) for b in search_rows),
-                       "held_out": sum(measure._rows(b) for b in verify_rows)})
+                      {"search": sum(inputs.batch_rows(b) for b in search_rows),
+                       "held_out": sum(inputs.batch_rows(b) for b in verify_rows)})
 
 
 def _check_arguments(max_error, metric, objective, target, candidates, held_out) -> tuple[str, ...]:
@@ -274,20 +278,9 @@ def _scaled(tables: search.Tables, factor: float) -> search.Tables:
     return search.Tables(tables.candidates, share, tables.cost, {p: v * factor for p, v in tables.rest.items()})
 
 
-def _head(batch: dict, rows: int) -> dict:
-    return {k: v[:rows] if getattr(v, "ndim", 0) else v for k, v in batch.items()}
-
-
-def _is_uniform(plain: dict) -> bool:
-    return not plain["policy_map"]
-
-
 def _best(tried: list[Tried], objective: str) -> Optional[Tried]:
     within = [t for t in tried if t.within_budget]
     if not within:
         return None
     return min(within, key=lambda t: (t.latency_s if objective == "latency" else t.bytes, t.error))
 
-
-def _json_float(value: float) -> Any:
-    return value if math.isfinite(value) else str(value)

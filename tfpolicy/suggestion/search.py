@@ -49,9 +49,6 @@ class Tables:
         squares += sum(self.share[layer][policy] ** 2 for layer, policy in assignment.items())
         return squares ** 0.5
 
-    def predicted_cost(self, assignment: Mapping[str, str]) -> float:
-        return sum(self.cost[layer][policy] for layer, policy in assignment.items())
-
 
 def cheapest_within(tables: Tables, budget: float, margin: float = 1.0) -> Assignment:
     """The cheapest assignment found whose predicted error is within ``budget * margin``.
