@@ -204,3 +204,25 @@ def test_missing_data_is_answered_before_tensorflow_starts(tmp_path):
                       str(tmp_path / "none.npz"), "--max_error", "0.1", "--out", str(tmp_path / "m.json")], tmp_path, SUGGEST)
     assert result.returncode == 2 and "cannot read --data" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_an_interrupt_mid_search_is_one_line_and_leaves_nothing(encoder, tmp_path):
+    """The search's scratch rewrites are no output: SIGTERM says nothing was written, and nothing is."""
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    model_dir, data_path, _ = encoder
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
+    process = subprocess.Popen([sys.executable, "-m", SUGGEST, str(model_dir), "--data", str(data_path),
+                                "--max_error", "0.05", "--out", str(tmp_path / "map.json")],
+                               env=env, stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:  # the first scratch rewrite is in place once the second candidate starts
+        if "candidate 3/" in line:
+            break
+    process.send_signal(signal.SIGTERM)
+    rest = process.stderr.read()
+    assert process.wait(timeout=120) == 128 + signal.SIGTERM, rest
+    assert rest.strip().splitlines()[-1] == "tfpolicy: interrupted by SIGTERM; nothing was written", rest
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("__autograph")] == []

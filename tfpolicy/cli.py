@@ -117,8 +117,9 @@ def _report_interrupt(signum: int) -> None:
 
     name = signal.Signals(signum).name
     staging.discard_all_mine()  # again: the interrupt may have cut a writer's own clean-up short
-    if staging.published:
-        what = f"after writing '{staging.published[-1]}', which is complete"
+    kept = [path for path in staging.published if os.path.lexists(path)]  # not a scratch output removed since
+    if kept:
+        what = f"after writing '{kept[-1]}', which is complete"
     else:
         what = "nothing was written"
     print(_line(f"tfpolicy: interrupted by {name}; {what}"), file=sys.stderr, flush=True)
