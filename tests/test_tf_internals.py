@@ -72,8 +72,13 @@ def test_a_graph_def_becomes_a_function_called_by_keyword():
     function = tf_internals.concrete_function(fn_graph, [feed])
     np.testing.assert_array_equal(function(x=tf.ones((1, 2)))["y"].numpy(), [[2.0, 2.0]])
 
-    pruned = tf_internals.function_from_graph_def(graph.as_graph_def(), ["x:0"], {"y": "y:0"}, {})
-    np.testing.assert_array_equal(pruned(tf.ones((1, 2)))["y"].numpy(), [[2.0, 2.0]])
+    # Without a structured input signature it is called positionally (the per-layer comparison's functions).
+    positional_graph = tf_internals.new_func_graph("doubled_positional", graph.as_graph_def())
+    positional_graph.inputs.append(positional_graph.get_tensor_by_name("x:0"))
+    positional_graph.structured_outputs = {"y": positional_graph.get_tensor_by_name("y:0")}
+    positional_graph.outputs.append(positional_graph.structured_outputs["y"])
+    positional = tf_internals.concrete_function(positional_graph, list(positional_graph.inputs))
+    np.testing.assert_array_equal(positional(tf.ones((1, 2)))["y"].numpy(), [[2.0, 2.0]])
 
 
 def test_output_keys_are_joined_paths():

@@ -17,7 +17,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
@@ -165,6 +165,8 @@ def rebuild_function(
     handles: dict[str, object],
     outputs: Optional[dict[str, TensorRef]] = None,
     xla_compile: bool = False,
+    extra_inputs: Sequence[str] = (),
+    positional: bool = False,
 ):
     """A ConcreteFunction from the edited graph, capture placeholders mapped to ``handles``.
 
@@ -175,16 +177,18 @@ def rebuild_function(
     the surviving capture placeholders are bound to ``handles``; this is
     ``function_from_graph_def`` without its op-by-op copy. ``xla_compile``
     marks it for XLA compilation (``_XlaMustCompile``), which TF Serving honours.
+    ``positional`` makes a function called with the signature's input
+    tensors in order, then ``extra_inputs`` (more placeholders' tensor names).
     """
     graph = program.graph
     wanted = graph.outputs if outputs is None else outputs
-    feeds = [name.split(":")[0] for name in program.input_tensors]
-    keep = graph.ancestors([ref.node for ref in wanted.values()] + feeds)
+    fed = [*program.input_tensors, *extra_inputs]
+    keep = graph.ancestors([ref.node for ref in wanted.values()] + [name.split(":")[0] for name in fed])
     graph_def = build_graph_def(program, keep)
     if xla_compile:
         _keep_functional_control_flow(graph_def)
     fn_graph = tf_internals.new_func_graph(f"tfpolicy_{program.key}", graph_def)
-    feed_tensors = [fn_graph.get_tensor_by_name(name) for name in program.input_tensors]
+    feed_tensors = [fn_graph.get_tensor_by_name(name) for name in fed]
     fn_graph.inputs.extend(feed_tensors)
     for placeholder, handle in handles.items():
         if placeholder in keep:
@@ -203,7 +207,8 @@ def rebuild_function(
     else:
         fn_graph.structured_outputs = fetched
     fn_graph.outputs.extend(tf.nest.flatten(fn_graph.structured_outputs, expand_composites=True))
-    fn_graph.structured_input_signature = original.structured_input_signature
+    if not positional:
+        fn_graph.structured_input_signature = original.structured_input_signature
     return tf_internals.concrete_function(fn_graph, feed_tensors, xla_compile)
 
 

@@ -111,16 +111,6 @@ def flatten_with_joined_string_paths(structure: Any) -> list[tuple[str, Any]]:
     return nest.flatten_with_joined_string_paths(structure)
 
 
-def function_from_graph_def(
-    graph_def: graph_pb2.GraphDef, inputs: Sequence[str], outputs: Any, captures: Mapping[str, Any]
-) -> Any:
-    """A callable over a GraphDef with its capture placeholders bound to live handles.
-
-    ``tf.compat.v1.wrap_function`` wraps a Python function, not a GraphDef.
-    """
-    return wrap_function.function_from_graph_def(graph_def, list(inputs), outputs, captures)
-
-
 def new_func_graph(name: str, graph_def: graph_pb2.GraphDef) -> Any:
     """A ``FuncGraph`` holding ``graph_def``, ready for captures, inputs and outputs.
 

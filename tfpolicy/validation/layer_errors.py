@@ -7,8 +7,7 @@ every node has a layer path. A layer's output tensors are the float outputs of
 its nodes that a node of another layer, or the signature's result, reads.
 
 Three evaluations per batch, each a function built from a signature graph with
-extra fetches (``wrap_function.function_from_graph_def``, the way
-:func:`tfpolicy.core.savedmodel_save.rebuild_function` rebuilds a signature)::
+extra fetches (:func:`tfpolicy.core.savedmodel_save.rebuild_function`, as the rewrite rebuilds a signature)::
 
     float:       inputs -> every layer output tensor t           (the reference, ref[t])
     cumulative:  inputs -> rewritten t                           (errors accumulated up to t)
@@ -34,7 +33,7 @@ from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
 
 from tfpolicy.analysis import layer_index
 from tfpolicy.analysis.plan import OUTSIDE_LAYERS
-from tfpolicy.core import savedmodel_io, savedmodel_save, tf_internals
+from tfpolicy.core import savedmodel_io, savedmodel_save
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.savedmodel_io import SignatureProgram
 from tfpolicy.core.tf_names import FLOAT_DTYPES, TensorRef, parse_input
@@ -169,8 +168,8 @@ def compare_layers(
     compared = _compared_tensors(float_program, rewritten_program.graph, index)
     if not compared:
         return []
-    float_fn = _function(float_program, {_fetch_key(i): _tensor_name(c.float_ref) for i, c in enumerate(compared)}, [])
-    rewritten_fetches = {_fetch_key(i): _tensor_name(c.rewritten_ref) for i, c in enumerate(compared)}
+    float_fn = _function(float_program, {_fetch_key(i): c.float_ref for i, c in enumerate(compared)}, [])
+    rewritten_fetches = {_fetch_key(i): c.rewritten_ref for i, c in enumerate(compared)}
     cumulative_fn = _function(rewritten_program, rewritten_fetches, []) if cumulative else None
     feeds = _cut_layer_boundaries(rewritten_program.graph, float_program, compared, index)
     local_fn = _function(rewritten_program, rewritten_fetches, [f"{name}:0" for name in feeds])
@@ -333,13 +332,11 @@ def _cut_layer_boundaries(
     return feeds
 
 
-def _function(program: SignatureProgram, fetches: dict[str, str], extra_inputs: list[str]) -> Any:
-    """A callable graph: the signature's inputs (+ ``extra_inputs``) -> ``fetches``."""
-    graph_def = savedmodel_save.build_graph_def(program)
+def _function(program: SignatureProgram, fetches: dict[str, TensorRef], extra_inputs: list[str]) -> Any:
+    """A callable graph: the signature's inputs (+ ``extra_inputs``), positionally -> ``fetches``."""
     handles = {placeholder: capture.handle for placeholder, capture in program.captures.items()}
-    return tf_internals.function_from_graph_def(
-        graph_def, list(program.input_tensors) + extra_inputs, fetches, handles
-    )
+    return savedmodel_save.rebuild_function(program, handles, outputs=fetches, extra_inputs=extra_inputs,
+                                           positional=True)
 
 
 def _input_names(program: SignatureProgram) -> list[str]:
@@ -350,10 +347,6 @@ def _input_names(program: SignatureProgram) -> list[str]:
 
 def _numpy(values: dict[str, tf.Tensor]) -> dict[str, np.ndarray]:
     return {name: np.asarray(tf.cast(value, tf.float32).numpy()) for name, value in values.items()}
-
-
-def _tensor_name(ref: TensorRef) -> str:
-    return f"{ref.node}:{ref.index}"
 
 
 def _fetch_key(position: int) -> str:
