@@ -53,7 +53,8 @@ def explain(
     """Everything :func:`rewrite` would do, without writing anything."""
     lowering.check_target_name(target)
     with StrictWarnings(strict) as warned:
-        report = _run(pathlib.Path(input_dir), None, policy_map, signatures, target, int8_convolutions).report
+        report = _run(pathlib.Path(input_dir), None, policy_map, signatures, target, int8_convolutions,
+                      explaining=True).report
         warned.check()
     return report
 
@@ -112,9 +113,46 @@ def rewrite(
                         calibration_progress, target, serving_checks, int8_convolutions)
 
 
-def _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned: StrictWarnings, batches,
-             calibration_data, calibration_progress, target, serving_checks, int8_convolutions) -> Report:
-    """:func:`rewrite` after its arguments are checked; ``warned.check()`` wherever --strict must stop it."""
+@dataclasses.dataclass
+class InMemory:
+    """A rewrite kept in memory (:func:`rewrite_in_memory`): its signatures, ready to call."""
+
+    report: Report
+    signatures: dict[str, object]  # key -> function, called by keyword as a loaded signature is
+    programs: dict[str, savedmodel_io.SignatureProgram]  # the rewritten graphs (aliases: under their first key)
+    handles: dict[str, dict[str, object]]  # key -> capture placeholder -> bound handle
+    variable_bytes: int  # of the variables the output would store
+
+
+def rewrite_in_memory(
+    input_dir: PathLike,
+    policy_map: PolicyMapSource,
+    *,
+    signatures: Optional[Sequence[str]] = None,
+    calibration_data: inputs.InputSource = None,
+    calibration_batch_size: int = 32,
+    target: Optional[str] = None,
+    int8_convolutions: bool = False,
+) -> InMemory:
+    """What :func:`rewrite` would write, kept in memory: the same graphs and variables, every variable
+    given its value, and nothing written (no serving checks either). ``tfpolicy suggest`` measures
+    candidate maps this way before it writes the one it suggests."""
+    input_path = pathlib.Path(input_dir)
+    lowering.check_target_name(target)
+    paths.check_input_dir(input_path)
+    batches = _calibration_batches(calibration_data, calibration_batch_size, None)
+    with StrictWarnings(False) as warned:
+        state, built = _build(input_path, None, policy_map, signatures, warned, batches, calibration_data, None,
+                              target, int8_convolutions)
+    built.materialize()
+    state.report.quantization = _quantization(state, built)
+    stored = sum(v.shape.num_elements() * v.dtype.size for v in built.root.tfpolicy_variables)
+    return InMemory(state.report, built.signatures, dict(state.model.signatures), built.handles, stored)
+
+
+def _build(input_path, output_path, policy_map, signatures, warned: StrictWarnings, batches, calibration_data,
+           calibration_progress, target, int8_convolutions) -> tuple[_State, assemble.Assembled]:
+    """Load, plan, run the passes, assemble and calibrate: everything before saving."""
     state = _run(input_path, output_path, policy_map, signatures, target, int8_convolutions)
     warned.check()
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
@@ -122,13 +160,28 @@ def _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned:
         state.model, state.variable_dtypes, state.new_variables, state.passes.new_captures, state.passes.calibration,
         xla_signatures=_xla_signatures(state),
     )
-    report = state.report
     if state.qplan.float8_groups:
-        _calibrate(built, state, report, batches, calibration_progress)
+        _calibrate(built, state, state.report, batches, calibration_progress)
     elif calibration_data is not None:
-        report.warnings.append("calibration data given but no layer is float8; it was not used")
-        logger.warning(report.warnings[-1])
+        state.report.warnings.append("calibration data given but no layer is float8; it was not used")
+        logger.warning(state.report.warnings[-1])
     warned.check()
+    return state, built
+
+
+def _quantization(state: _State, built: assemble.Assembled) -> list:
+    """The report's quantization rows, from the scales as written."""
+    current = {name: variable.numpy() for name, variable in built.new_variables.items() if variable.is_initialized()}
+    return quantization_rows(state.qplan, state.passes.quantized, _scales(state.new_variables) | current,
+                             state.new_variables)
+
+
+def _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned: StrictWarnings, batches,
+             calibration_data, calibration_progress, target, serving_checks, int8_convolutions) -> Report:
+    """:func:`rewrite` after its arguments are checked; ``warned.check()`` wherever --strict must stop it."""
+    state, built = _build(input_path, output_path, policy_map, signatures, warned, batches, calibration_data,
+                          calibration_progress, target, int8_convolutions)
+    report = state.report
     logger.info("saving to %s", output_path)
 
     check_data = {state.passes.calibration[0]: batches.first} if batches and state.passes.calibration else None
@@ -151,9 +204,7 @@ def _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned:
             built.root, built.signatures, output_path, overwrite,
             fill=checkpoints.ValueWriter(built.root, built.value_of), check=check
         )
-    current = {name: variable.numpy() for name, variable in built.new_variables.items() if variable.is_initialized()}
-    report.quantization = quantization_rows(state.qplan, state.passes.quantized, _scales(state.new_variables) | current,
-                                            state.new_variables)
+    report.quantization = _quantization(state, built)
     report.output_bytes = paths.directory_bytes(output_path)
     logger.debug("wrote %s", output_path)
     return report
@@ -203,8 +254,9 @@ class _State:
     lowering: lowering.Lowering
 
 
-def _run(input_path, output_path, policy_map, signatures, target=None, int8_convolutions=False) -> _State:
-    """Load, index, plan and run the passes."""
+def _run(input_path, output_path, policy_map, signatures, target=None, int8_convolutions=False,
+         explaining=False) -> _State:
+    """Load, index, plan and run the passes (``explaining``: the report's scales are read now)."""
     policy = PolicyMap.load(policy_map)
     logger.info("loading %s", input_path)
     model = savedmodel_io.load(input_path, signatures, streamed=True)
@@ -265,7 +317,7 @@ def _run(input_path, output_path, policy_map, signatures, target=None, int8_conv
         warnings=warnings,
         input_bytes=paths.directory_bytes(input_path),
         # A rewrite reads the scales once the kernels are written (quantized once); explain reads them now.
-        quantization=quantization_rows(qplan, passes.quantized, _scales(new_variables) if output_path is None else {},
+        quantization=quantization_rows(qplan, passes.quantized, _scales(new_variables) if explaining else {},
                                        new_variables),
         lowering=chosen if any(s.integer is not None for s in qplan.sites) or (chosen.xla_compile and qplan.sites) else None,
     )

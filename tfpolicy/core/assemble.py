@@ -132,6 +132,8 @@ class Assembled:
     calibrate: Optional[object]
     producers: dict[int, Callable[[], tf.Tensor]]  # id(variable) -> its value
     source: Optional[checkpoints.SavedModelCheckpoint]  # the input's, when its variables were not restored
+    handles: dict[str, dict[str, object]] = dataclasses.field(default_factory=dict)
+    """Signature key -> capture placeholder of its rewritten graph -> the handle bound to it."""
 
     def value_of(self, obj: object, attribute: str) -> Optional[Callable[[], tf.Tensor]]:
         """What makes ``obj``'s value in the output checkpoint (see :class:`checkpoints.ValueWriter`)."""
@@ -178,9 +180,9 @@ def assemble(
     replaced = {spec.replaces: created[name] for name, spec in new_variables.items() if spec.replaces is not None}
     converted: dict[int, tf.Variable] = {}
     kept: dict[int, tf.Variable] = {}
-    functions, calibrate = {}, None
+    functions, calibrate, bound = {}, None, {}
     for program in model.signatures.values():
-        handles = {}
+        handles = bound[program.key] = {}
         for placeholder, capture in program.captures.items():
             variable = capture.variable
             uid = id(variable) if variable is not None else None
@@ -217,7 +219,7 @@ def assemble(
         root.tfpolicy = QuantizationModule([created[name] for name in sorted(created)])
         if calibrate is not None:
             root.tfpolicy.calibrate = calibrate
-    return Assembled(root, functions, created, calibrate, producers, model.checkpoint)
+    return Assembled(root, functions, created, calibrate, producers, model.checkpoint, bound)
 
 
 def _in_writing_order(kept: dict, converted: dict, created: dict, specs: dict[str, NewVariable]) -> list[tf.Variable]:

@@ -98,8 +98,8 @@ class Graph:
         return node
 
     def copy(self, name: str) -> "Graph":
-        """A function graph with this one's nodes (attributes copied), outputs and arguments, named ``name``."""
-        copy = Graph(name, library=self.library, is_function=True)
+        """A graph with this one's nodes (attributes copied), outputs and arguments, named ``name``."""
+        copy = Graph(name, library=self.library, is_function=self.is_function)
         for node in self.nodes.values():
             copy.nodes[node.name] = Node(node.name, node.op, list(node.inputs),
                                          {k: tf_names.copy_attr(v) for k, v in node.attrs.items()}, node.device)

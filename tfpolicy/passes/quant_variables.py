@@ -127,9 +127,13 @@ def u8_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: bool
     largest weights of a column wherever they lie. Most kernels need one; a
     long contraction of large weights of one sign needs more.
     """
+    limit = FLOAT32_EXACT_INTEGER // 255
+    sums, magnitudes = _column_totals(q, reduced_axes)
+    if max(int(np.max((magnitudes + sums) // 2, initial=0)), int(np.max((magnitudes - sums) // 2, initial=0))) <= limit:
+        return 1  # the common case, without an int64 copy of the kernel
     columns = _columns(q, reduced_axes)
     signs = (np.maximum(columns, 0), np.maximum(-columns, 0))
-    return _fewest_chunks(signs, FLOAT32_EXACT_INTEGER // 255, in_order and _leading(reduced_axes))
+    return _fewest_chunks(signs, limit, in_order and _leading(reduced_axes))
 
 
 def float_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: bool = True) -> int:
@@ -144,8 +148,16 @@ def float_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: b
     (the worst case, every ``|w| = 127``, needs chunks of 1040).
     ``in_order`` as for :func:`u8_exact_chunks`.
     """
-    return _fewest_chunks((np.abs(_columns(q, reduced_axes)),), FLOAT32_EXACT_INTEGER // int(INT8_RANGE),
-                          in_order and _leading(reduced_axes))
+    limit = FLOAT32_EXACT_INTEGER // int(INT8_RANGE)
+    if int(np.max(_column_totals(q, reduced_axes)[1], initial=0)) <= limit:
+        return 1  # the common case, without an int64 copy of the kernel
+    return _fewest_chunks((np.abs(_columns(q, reduced_axes)),), limit, in_order and _leading(reduced_axes))
+
+
+def _column_totals(q: np.ndarray, reduced_axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per column (the axes not reduced): the sum of ``q`` and the sum of ``|q|``, int64, summed in buffered casts."""
+    axes = tuple(reduced_axes)
+    return q.sum(axis=axes, dtype=np.int64), np.absolute(q, dtype=np.int16).sum(axis=axes, dtype=np.int64)
 
 
 def _leading(reduced_axes: tuple[int, ...]) -> bool:
@@ -153,18 +165,19 @@ def _leading(reduced_axes: tuple[int, ...]) -> bool:
 
 
 def _columns(q: np.ndarray, reduced_axes: tuple[int, ...]) -> np.ndarray:
-    """``q`` as (contracted, columns), int64."""
+    """``q`` as (contracted, columns), int32 (a sum over a contraction of int8 values fits)."""
     contracted = int(np.prod([q.shape[a] for a in reduced_axes]))
-    return np.moveaxis(q, reduced_axes, range(len(reduced_axes))).reshape(contracted, -1).astype(np.int64)
+    return np.moveaxis(q, reduced_axes, range(len(reduced_axes))).reshape(contracted, -1).astype(np.int32)
 
 
 def _fewest_chunks(parts: tuple[np.ndarray, ...], limit: int, in_order: bool) -> int:
     """The fewest chunks of the contraction in which every column's sum of each of ``parts`` stays within ``limit``."""
     contracted = parts[0].shape[0]
-    if max(part.sum(0).max(initial=0) for part in parts) <= limit:
+    if max(part.sum(0, dtype=np.int64).max(initial=0) for part in parts) <= limit:
         return 1
     if in_order:
-        prefix = [np.concatenate([np.zeros((1, part.shape[1]), np.int64), np.cumsum(part, axis=0)]) for part in parts]
+        prefix = [np.concatenate([np.zeros((1, part.shape[1]), np.int32), np.cumsum(part, axis=0, dtype=np.int32)])
+                  for part in parts]
         for chunks in range(2, contracted + 1):
             ends = np.cumsum(chunk_sizes(contracted, chunks))
             starts = ends - chunk_sizes(contracted, chunks)

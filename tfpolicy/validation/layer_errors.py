@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import math
 import pathlib
@@ -146,15 +147,40 @@ class LayerStats:
 
 
 
-def load_reference(input_path: pathlib.Path, key: str) -> tuple[SignatureProgram, layer_index.LayerIndex]:
-    """The float model's signature ``key`` and its layer index, which :func:`compare_layers` only reads."""
+class Reference:
+    """The float model's signature and its layer index (read only), and its layer outputs on batches.
+
+    The float model's layer outputs on a batch are computed once: comparing
+    several rewrites with one input (``tfpolicy suggest``) runs the float model once.
+    """
+
+    def __init__(self, program: SignatureProgram, index: layer_index.LayerIndex) -> None:
+        self.program = program
+        self.index = index
+        self.outputs = layer_outputs(program, index)  # tensor -> its layer
+        self._function: Any = None
+        self._values: dict[bytes, dict[TensorRef, np.ndarray]] = {}
+
+    def values(self, args: list[tf.Tensor]) -> dict[TensorRef, np.ndarray]:
+        """Every layer output tensor's value (as float32) with the signature's inputs ``args``, in order."""
+        key = b"".join(_fingerprint(a) for a in args)
+        if key not in self._values:
+            if self._function is None:
+                self._function = _function(self.program, {_fetch_key(i): ref for i, ref in enumerate(self.outputs)}, [])
+            values = _numpy(self._function(*args))
+            self._values[key] = {ref: values[_fetch_key(i)] for i, ref in enumerate(self.outputs)}
+        return self._values[key]
+
+
+def load_reference(input_path: pathlib.Path, key: str) -> Reference:
+    """The float model's signature ``key`` for :func:`compare_layers` and :func:`compare_programs`."""
     reference = savedmodel_io.load(input_path, [key])
-    return reference.signatures[key], layer_index.build(reference)
+    return Reference(reference.signatures[key], layer_index.build(reference))
 
 
 def compare_layers(
     input_path: pathlib.Path, output_path: pathlib.Path, key: str, batches: list[dict[str, np.ndarray]],
-    reference: Optional[tuple[SignatureProgram, layer_index.LayerIndex]] = None, cumulative: bool = True,
+    reference: Optional[Reference] = None, cumulative: bool = True,
 ) -> list[LayerStats]:
     """Local and cumulative error of every layer of signature ``key``, largest local first.
 
@@ -162,35 +188,52 @@ def compare_layers(
     compares several outputs with one input (``tfpolicy suggest``).
     ``cumulative=False`` skips the plain rewritten run (its errors are NaN).
     """
-    float_program, index = reference or load_reference(input_path, key)
+    reference = reference or load_reference(input_path, key)
     rewritten_program = savedmodel_io.load(output_path, [key]).signatures[key]
     inline_calls(rewritten_program)
-    compared = _compared_tensors(float_program, rewritten_program.graph, index)
+    handles = {placeholder: capture.handle for placeholder, capture in rewritten_program.captures.items()}
+    return compare_programs(reference, rewritten_program, handles, batches, cumulative)
+
+
+def compare_programs(
+    reference: Reference, rewritten: SignatureProgram, handles: dict[str, Any], batches: list[dict[str, np.ndarray]],
+    cumulative: bool = True,
+) -> list[LayerStats]:
+    """:func:`compare_layers` of a rewritten signature at hand (its graph is copied, not changed),
+    its capture placeholders bound to ``handles``."""
+    rewritten = dataclasses.replace(rewritten, graph=rewritten.graph.copy(rewritten.graph.name))
+    float_program, index = reference.program, reference.index
+    compared = _compared_tensors(reference, rewritten.graph)
     if not compared:
         return []
-    float_fn = _function(float_program, {_fetch_key(i): c.float_ref for i, c in enumerate(compared)}, [])
     rewritten_fetches = {_fetch_key(i): c.rewritten_ref for i, c in enumerate(compared)}
-    cumulative_fn = _function(rewritten_program, rewritten_fetches, []) if cumulative else None
-    feeds = _cut_layer_boundaries(rewritten_program.graph, float_program, compared, index)
-    local_fn = _function(rewritten_program, rewritten_fetches, [f"{name}:0" for name in feeds])
-    feed_dtypes = [tf.dtypes.as_dtype(rewritten_program.graph.tensor_dtype(c.rewritten_ref)) for c in compared]
+    cumulative_fn = _function(rewritten, rewritten_fetches, [], handles) if cumulative else None
+    feeds = _cut_layer_boundaries(rewritten.graph, float_program, compared, index)
+    local_fn = _function(rewritten, rewritten_fetches, [f"{name}:0" for name in feeds], handles)
+    feed_dtypes = [tf.dtypes.as_dtype(rewritten.graph.tensor_dtype(c.rewritten_ref)) for c in compared]
     local = [ErrorAccumulator() for _ in compared]
     accumulated = [ErrorAccumulator() for _ in compared]
     shapes: list[tuple[int, ...]] = [() for _ in compared]
     names = _input_names(float_program)
     for batch in batches:
         args = [tf.constant(batch[name]) for name in names]
-        ref_values = _numpy(float_fn(*args))
+        every = reference.values(args)
+        ref_values = [every[c.float_ref] for c in compared]
         cumulative_values = _numpy(cumulative_fn(*args)) if cumulative_fn is not None else None
-        fed = [tf.cast(tf.constant(ref_values[_fetch_key(i)]), dtype) for i, dtype in enumerate(feed_dtypes)]
+        fed = [tf.cast(tf.constant(value), dtype) for value, dtype in zip(ref_values, feed_dtypes)]
         local_values = _numpy(local_fn(*args, *fed))
         for i in range(len(compared)):
             fetched = _fetch_key(i)
-            local[i].add(ref_values[fetched], local_values[fetched])
+            local[i].add(ref_values[i], local_values[fetched])
             if cumulative_values is not None:
-                accumulated[i].add(ref_values[fetched], cumulative_values[fetched])
-            shapes[i] = tuple(int(n) for n in np.shape(ref_values[fetched]))
+                accumulated[i].add(ref_values[i], cumulative_values[fetched])
+            shapes[i] = tuple(int(n) for n in np.shape(ref_values[i]))
     return _per_layer(compared, local, accumulated, shapes)
+
+
+def _fingerprint(value: tf.Tensor) -> bytes:
+    array = value.numpy()
+    return hashlib.sha256(repr((array.dtype.str, array.shape)).encode() + array.tobytes()).digest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,11 +325,9 @@ def name_prefix(float_names: list[str], rewritten: Graph) -> str:
     return counts.most_common(1)[0][0] if counts else ""
 
 
-def _compared_tensors(
-    float_program: SignatureProgram, rewritten: Graph, index: layer_index.LayerIndex
-) -> list[_Compared]:
+def _compared_tensors(reference: Reference, rewritten: Graph) -> list[_Compared]:
     """Layer outputs of the float graph that the rewritten graph still has, as a float tensor."""
-    outputs = layer_outputs(float_program, index)
+    outputs = reference.outputs
     prefix = name_prefix([ref.node for ref in outputs], rewritten)
     compared = []
     for ref, layer in outputs.items():
@@ -332,9 +373,14 @@ def _cut_layer_boundaries(
     return feeds
 
 
-def _function(program: SignatureProgram, fetches: dict[str, TensorRef], extra_inputs: list[str]) -> Any:
-    """A callable graph: the signature's inputs (+ ``extra_inputs``), positionally -> ``fetches``."""
-    handles = {placeholder: capture.handle for placeholder, capture in program.captures.items()}
+def _function(program: SignatureProgram, fetches: dict[str, TensorRef], extra_inputs: list[str],
+              handles: Optional[dict[str, Any]] = None) -> Any:
+    """A callable graph: the signature's inputs (+ ``extra_inputs``), positionally -> ``fetches``.
+
+    Capture placeholders are bound to ``handles`` (default: the loaded program's own).
+    """
+    if handles is None:
+        handles = {placeholder: capture.handle for placeholder, capture in program.captures.items()}
     return savedmodel_save.rebuild_function(program, handles, outputs=fetches, extra_inputs=extra_inputs,
                                            positional=True)
 
