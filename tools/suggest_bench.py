@@ -78,8 +78,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             batches = [{k: v[i:i + 16] for k, v in data.items()} for i in range(0, len(next(iter(data.values()))), 16)]
             _, held_out = measure.split_rows(batches, 0.25)
             metric = measure.Metric("rel_max", output)
-            ref = measure.Model(model_dir).outputs(held_out, output)
-            bf16 = measure.Model(workdir / f"{name}_bf16").outputs(held_out, output)
+            ref = measure.Model.load(model_dir).outputs(held_out, output)
+            bf16 = measure.Model.load(workdir / f"{name}_bf16").outputs(held_out, output)
             budget = 2 * metric(ref, bf16)
             for objective in args.objectives.split(","):
                 result = tfpolicy.suggest(model_dir, workdir / f"{name}.npz", budget, output=output, target=target,

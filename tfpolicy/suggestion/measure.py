@@ -1,12 +1,13 @@
 """What ``tfpolicy suggest`` measures: errors, latencies and bytes of real rewrites.
 
-Every number the search uses comes from running SavedModels that
-:func:`tfpolicy.rewrite` wrote, on the user's data, on this machine:
+Every number the search uses comes from running the rewrite's output (kept in
+memory by :func:`tfpolicy.api.rewrite_in_memory`: the graphs and variables
+:func:`tfpolicy.rewrite` would write) on the user's data, on this machine:
 
 * a model's output error against the float input (:class:`Metric`: relative
   max error, relative RMS error, or top-1 disagreement);
 * per layer, the error it adds when fed the float model's inputs (the
-  per-layer report of ``--validate``, :func:`tfpolicy.validation.layer_errors.compare_layers`);
+  per-layer report of ``--validate``, :func:`tfpolicy.validation.layer_errors.compare_programs`);
 * latency: the fastest of a few calls of ``serving_default`` on one batch;
 * bytes: the variables the rewrite stores for a layer, by policy.
 """
@@ -23,9 +24,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfpolicy.analysis import layer_index
-from tfpolicy.core import inputs
+from tfpolicy.core import inputs, tf_internals
 from tfpolicy.errors import InputDataError
-from tfpolicy.validation.layer_errors import LayerStats, compare_layers, load_reference
+from tfpolicy.validation.layer_errors import LayerStats, Reference, compare_programs, load_reference
 
 SIGNATURE = "serving_default"
 METRICS = ("rel_max", "rel_rms", "top1")
@@ -71,11 +72,24 @@ def choose_output(function: Any, requested: Optional[str]) -> str:
 
 
 class Model:
-    """A loaded SavedModel's ``serving_default``: outputs on batches, and its latency."""
+    """A ``serving_default`` to run (of a loaded SavedModel, or of a rewrite kept in memory):
+    outputs on batches, its latency, and the bytes its variables take."""
 
-    def __init__(self, path: pathlib.Path) -> None:
-        self._loaded = tf.saved_model.load(str(path))
-        self.function = self._loaded.signatures[SIGNATURE]
+    def __init__(self, function: Any, variable_bytes: int, owner: Any = None) -> None:
+        self.function = function
+        self.variable_bytes = variable_bytes
+        self._owner = owner  # what keeps the function's variables alive
+
+    @classmethod
+    def load(cls, path: pathlib.Path) -> "Model":
+        loaded = tf.saved_model.load(str(path))
+        variables = {id(v): v for v in tf_internals.trackable_descendants(loaded) if isinstance(v, tf.Variable)}
+        return cls(loaded.signatures[SIGNATURE], sum(_bytes(v) for v in variables.values()), loaded)
+
+    @classmethod
+    def in_memory(cls, rewritten: Any) -> "Model":
+        """``serving_default`` of :func:`tfpolicy.api.rewrite_in_memory`'s result."""
+        return cls(rewritten.signatures[SIGNATURE], rewritten.variable_bytes, rewritten)
 
     def outputs(self, batches: Sequence[Batch], name: str) -> list[np.ndarray]:
         return [self.function(**{k: tf.constant(v) for k, v in batch.items()})[name].numpy() for batch in batches]
@@ -93,6 +107,10 @@ class Model:
                 value.numpy()
             best = min(best, time.perf_counter() - started)
         return best
+
+
+def _bytes(variable: tf.Variable) -> int:
+    return int(variable.shape.num_elements() or 0) * variable.dtype.size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +164,14 @@ def multiply_adds(layer: LayerShape, stats: Optional[LayerStats]) -> float:
     return total
 
 
-def local_errors(input_path: pathlib.Path, output_path: pathlib.Path, batches: Sequence[Batch],
-                 reference: Any = None) -> dict[str, LayerStats]:
+def local_errors(reference: Reference, rewritten: Any, batches: Sequence[Batch]) -> dict[str, LayerStats]:
     """Per layer path: the error it adds fed the float model's inputs (``--validate``'s per-layer report).
 
-    ``reference``: :func:`~tfpolicy.validation.layer_errors.load_reference` of the input, loaded once.
+    ``reference``: :func:`load_reference` of the input, loaded once; ``rewritten``:
+    :func:`tfpolicy.api.rewrite_in_memory`'s result.
     """
-    stats = compare_layers(input_path, output_path, SIGNATURE, list(batches), reference, cumulative=False)
+    stats = compare_programs(reference, rewritten.programs[SIGNATURE], rewritten.handles[SIGNATURE], list(batches),
+                             cumulative=False)
     return {s.layer: s for s in stats if s.layer}
 
 

@@ -11,6 +11,10 @@ Four steps, each on the user's data and this machine::
          budget, the predictions are scaled by what was measured and the search runs
          again (or the layer with the largest share backs off), up to ``rounds`` times
 
+Every rewrite here is kept in memory (:func:`tfpolicy.api.rewrite_in_memory`:
+the graphs and variables :func:`tfpolicy.rewrite` would write, bit for bit the
+same outputs), so nothing is written and nothing loaded back.
+
 The map returned is the best of every map measured (the uniform ones
 included) whose held-out error is within the budget, so it is never worse
 than the best single policy that meets the budget.
@@ -23,7 +27,6 @@ import json
 import logging
 import math
 import pathlib
-import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -134,7 +137,7 @@ def suggest(
     paths.check_input_dir(input_path)
     chosen_candidates = _check_arguments(max_error, metric, objective, target, candidates, held_out)
     batches = inputs.batches_from(data, what="--data", batch_size=BATCH)
-    reference = Model(input_path)
+    reference = Model.load(input_path)
     inputs.check_inputs(batches[0], measure.SIGNATURE, reference.function, what="--data")
     batches = [inputs.conform(b, reference.function) for b in batches]
     name = measure.choose_output(reference.function, output)
@@ -144,57 +147,50 @@ def suggest(
     timing_batch = measure.rows_of(search_rows[0], 0, TIMING_ROWS)
     ref_search = reference.outputs(search_rows, name)
     ref_verify = reference.outputs(verify_rows, name)
-    float_graph = measure.load_reference(input_path, measure.SIGNATURE)  # (program, layer index), read only
-    layers = measure.layer_shapes(float_graph[1])
-    all_paths = sorted(float_graph[1].paths)
+    float_layers = measure.load_reference(input_path, measure.SIGNATURE)  # read only
+    layers = measure.layer_shapes(float_layers.index)
+    all_paths = sorted(float_layers.index.paths)
+    tried: list[Tried] = []
+    uniform: dict[str, dict] = {}
 
-    with tempfile.TemporaryDirectory(prefix="tfpolicy-suggest-") as scratch:
-        workdir = pathlib.Path(scratch)
-        tried: list[Tried] = []
-        uniform: dict[str, dict] = {}
+    def measured(label: str, plain: dict, model: Model) -> Tried:
+        """The map's held-out error, latency and stored bytes, added to the frontier."""
+        error = measure_error(ref_verify, model.outputs(verify_rows, name))
+        entry = Tried(label, plain, error, model.latency(timing_batch), model.variable_bytes, error <= max_error)
+        tried.append(entry)
+        return entry
 
-        def measured(label: str, plain: dict, model: Model, out_path: pathlib.Path) -> Tried:
-            """The map's held-out error, latency and stored bytes, added to the frontier."""
-            error = measure_error(ref_verify, model.outputs(verify_rows, name))
-            entry = Tried(label, plain, error, model.latency(timing_batch),
-                          paths.directory_bytes(out_path / "variables"), error <= max_error)
-            tried.append(entry)
-            return entry
-
-        for i, policy in enumerate(chosen_candidates):
-            say(f"candidate {i + 1}/{len(chosen_candidates)}: {policy} on every layer")
-            plain = {"default_policy": policy}
-            if policy == "float32":
-                out_path, report = input_path, None
-            else:
-                out_path = workdir / f"uniform{i}"
-                report = _rewrite(input_path, out_path, plain, target, search_rows)
-            model = reference if out_path == input_path else Model(out_path)
-            error_search = measure_error(ref_search, model.outputs(search_rows, name))
-            stats = {} if report is None else measure.local_errors(input_path, out_path, sensitivity_rows, float_graph)
-            quantized = set() if report is None else {p for p, q in report.quantization.items() if q.ops_quantized}
-            entry = measured(f"{policy} (every layer)", plain, model, out_path)
-            uniform[policy] = {"error": error_search, "stats": stats, "quantized": quantized, "tried": entry}
-        tables = _tables(layers, uniform, chosen_candidates, objective)
-        assignment = search.cheapest_within(tables, max_error, MARGIN)
-        seen: set[str] = set()
-        for round_number in range(1, rounds + 1):
-            default = search.majority(assignment, chosen_candidates)
-            plain = {"default_policy": default, "policy_map": search.policy_map(assignment, all_paths, default)}
-            key = json.dumps(plain, sort_keys=True)
-            if key in seen or not plain["policy_map"]:  # a uniform map was measured above
-                break
-            seen.add(key)
-            say(f"verifying suggestion {round_number}: {len(plain['policy_map'])} key(s) over default {default}")
-            out_path = workdir / f"suggested{round_number}"
-            _rewrite(input_path, out_path, plain, target, search_rows)
-            error = measured(f"suggestion {round_number}", plain, Model(out_path), out_path).error
-            if error <= max_error:
-                break
-            predicted = tables.predicted_error(assignment, default)
-            tables = _scaled(tables, error / predicted if predicted > 0 else 2.0)
-            again = search.cheapest_within(tables, max_error, MARGIN)
-            assignment = again if again != assignment else (search.back_off(tables, assignment) or assignment)
+    for i, policy in enumerate(chosen_candidates):
+        say(f"candidate {i + 1}/{len(chosen_candidates)}: {policy} on every layer")
+        plain = {"default_policy": policy}
+        rewritten = None if policy == "float32" else _rewrite(input_path, plain, target, search_rows)
+        model = reference if rewritten is None else Model.in_memory(rewritten)
+        error_search = measure_error(ref_search, model.outputs(search_rows, name))
+        stats = {} if rewritten is None else measure.local_errors(float_layers, rewritten, sensitivity_rows)
+        quantized = set() if rewritten is None else {
+            p for p, q in rewritten.report.quantization.items() if q.ops_quantized}
+        entry = measured(f"{policy} (every layer)", plain, model)
+        uniform[policy] = {"error": error_search, "stats": stats, "quantized": quantized, "tried": entry}
+        del model, rewritten  # one rewrite's variables in memory at a time
+    tables = _tables(layers, uniform, chosen_candidates, objective)
+    assignment = search.cheapest_within(tables, max_error, MARGIN)
+    seen: set[str] = set()
+    for round_number in range(1, rounds + 1):
+        default = search.majority(assignment, chosen_candidates)
+        plain = {"default_policy": default, "policy_map": search.policy_map(assignment, all_paths, default)}
+        key = json.dumps(plain, sort_keys=True)
+        if key in seen or not plain["policy_map"]:  # a uniform map was measured above
+            break
+        seen.add(key)
+        say(f"verifying suggestion {round_number}: {len(plain['policy_map'])} key(s) over default {default}")
+        error = measured(f"suggestion {round_number}", plain,
+                         Model.in_memory(_rewrite(input_path, plain, target, search_rows))).error
+        if error <= max_error:
+            break
+        predicted = tables.predicted_error(assignment, default)
+        tables = _scaled(tables, error / predicted if predicted > 0 else 2.0)
+        again = search.cheapest_within(tables, max_error, MARGIN)
+        assignment = again if again != assignment else (search.back_off(tables, assignment) or assignment)
     best = _best(tried, objective)
     if best is None:
         raise TfPolicyError(f"no map tried keeps {measure_error.name} of '{name}' within {max_error:g} on the held-out"
@@ -228,7 +224,8 @@ def _check_arguments(max_error, metric, objective, target, candidates, held_out)
     return chosen
 
 
-def _rewrite(input_path: pathlib.Path, out_path: pathlib.Path, plain: dict, target: Optional[str], rows) -> Any:
+def _rewrite(input_path: pathlib.Path, plain: dict, target: Optional[str], rows) -> Any:
+    """``plain`` applied by the rewrite to ``serving_default``, kept in memory (nothing is written)."""
     from tfpolicy import api  # noqa: PLC0415
 
     needs_data = any(getattr(keras.dtype_policies.get(p), "quantization_mode", None) == "float8"
@@ -239,8 +236,8 @@ def _rewrite(input_path: pathlib.Path, out_path: pathlib.Path, plain: dict, targ
     level = package.level
     package.setLevel(logging.ERROR)
     try:
-        return api.rewrite(input_path, out_path, plain, overwrite=True, target=target, serving_checks=False,
-                           calibration_data=list(rows) if needs_data else None)
+        return api.rewrite_in_memory(input_path, plain, signatures=[measure.SIGNATURE], target=target,
+                                     calibration_data=list(rows) if needs_data else None)
     finally:
         package.setLevel(level)
 
