@@ -133,17 +133,22 @@ def rewrite_in_memory(
     calibration_batch_size: int = 32,
     target: Optional[str] = None,
     int8_convolutions: bool = False,
+    loaded: Optional[savedmodel_io.LoadedModel] = None,
 ) -> InMemory:
     """What :func:`rewrite` would write, kept in memory: the same graphs and variables, every variable
     given its value, and nothing written (no serving checks either). ``tfpolicy suggest`` measures
-    candidate maps this way before it writes the one it suggests."""
+    candidate maps this way before it writes the one it suggests.
+
+    ``loaded``: ``savedmodel_io.load(input_dir, signatures)``, when one load serves several rewrites
+    (each edits its own copy of the graphs).
+    """
     input_path = pathlib.Path(input_dir)
     lowering.check_target_name(target)
     paths.check_input_dir(input_path)
     batches = _calibration_batches(calibration_data, calibration_batch_size, None)
     with StrictWarnings(False) as warned:
         state, built = _build(input_path, None, policy_map, signatures, warned, batches, calibration_data, None,
-                              target, int8_convolutions)
+                              target, int8_convolutions, loaded.copy() if loaded is not None else None)
     built.materialize()
     state.report.quantization = _quantization(state, built)
     stored = sum(v.shape.num_elements() * v.dtype.size for v in built.root.tfpolicy_variables)
@@ -151,9 +156,9 @@ def rewrite_in_memory(
 
 
 def _build(input_path, output_path, policy_map, signatures, warned: StrictWarnings, batches, calibration_data,
-           calibration_progress, target, int8_convolutions) -> tuple[_State, assemble.Assembled]:
-    """Load, plan, run the passes, assemble and calibrate: everything before saving."""
-    state = _run(input_path, output_path, policy_map, signatures, target, int8_convolutions)
+           calibration_progress, target, int8_convolutions, model=None) -> tuple[_State, assemble.Assembled]:
+    """Load (unless ``model`` is given), plan, run the passes, assemble and calibrate: everything before saving."""
+    state = _run(input_path, output_path, policy_map, signatures, target, int8_convolutions, model=model)
     warned.check()
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
     built = assemble.assemble(
@@ -255,11 +260,13 @@ class _State:
 
 
 def _run(input_path, output_path, policy_map, signatures, target=None, int8_convolutions=False,
-         explaining=False) -> _State:
-    """Load, index, plan and run the passes (``explaining``: the report's scales are read now)."""
+         explaining=False, model=None) -> _State:
+    """Load (unless ``model`` is given), index, plan and run the passes (``explaining``: the report's
+    scales are read now)."""
     policy = PolicyMap.load(policy_map)
-    logger.info("loading %s", input_path)
-    model = savedmodel_io.load(input_path, signatures, streamed=True)
+    if model is None:
+        logger.info("loading %s", input_path)
+        model = savedmodel_io.load(input_path, signatures, streamed=True)
     logger.info("indexing layers of %d signature(s)", len(model.signatures))
     index = layer_index.build(model)
     outside = sum(1 for _ in index.nodes_of(None))

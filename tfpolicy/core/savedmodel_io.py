@@ -55,6 +55,14 @@ class SignatureProgram:
     def all_graphs(self) -> list[Graph]:
         return [self.graph, *self.functions.values()]
 
+    def copy(self) -> "SignatureProgram":
+        """A copy to edit apart from this one: graphs copied; the loaded function, FunctionDefs (read
+        only) and captures shared."""
+        return dataclasses.replace(
+            self, graph=self.graph.copy(self.graph.name),
+            functions={name: graph.copy(graph.name) for name, graph in self.functions.items()},
+            function_defs=dict(self.function_defs), input_tensors=list(self.input_tensors), captures=dict(self.captures))
+
     def add_function_copy(self, function: str, name: str) -> Graph:
         """A new library function ``name`` with ``function``'s body and signature, to edit apart from it."""
         fdef = function_pb2.FunctionDef()
@@ -76,6 +84,11 @@ class LoadedModel:
     checkpoint: Optional[checkpoints.SavedModelCheckpoint] = None
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     """Signature key -> the key in ``signatures`` that computes the same (rewritten once, saved under both)."""
+
+    def copy(self) -> "LoadedModel":
+        """The same model with signature programs to edit apart from this one's (one load, several rewrites)."""
+        return dataclasses.replace(self, signatures={k: p.copy() for k, p in self.signatures.items()},
+                                   aliases=dict(self.aliases))
 
     def read(self, variable: tf.Variable) -> tf.Tensor:
         """``variable``'s value: from the checkpoint, when the variables were not restored."""

@@ -24,9 +24,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfpolicy.analysis import layer_index
-from tfpolicy.core import inputs, tf_internals
+from tfpolicy.core import inputs, savedmodel_io, tf_internals
 from tfpolicy.errors import InputDataError
-from tfpolicy.validation.layer_errors import LayerStats, Reference, compare_programs, load_reference
+from tfpolicy.validation.layer_errors import LayerStats, Reference, compare_programs
 
 SIGNATURE = "serving_default"
 METRICS = ("rel_max", "rel_rms", "top1")
@@ -82,9 +82,13 @@ class Model:
 
     @classmethod
     def load(cls, path: pathlib.Path) -> "Model":
-        loaded = tf.saved_model.load(str(path))
-        variables = {id(v): v for v in tf_internals.trackable_descendants(loaded) if isinstance(v, tf.Variable)}
-        return cls(loaded.signatures[SIGNATURE], sum(_bytes(v) for v in variables.values()), loaded)
+        return cls.of_root(tf.saved_model.load(str(path)))
+
+    @classmethod
+    def of_root(cls, root: Any) -> "Model":
+        """``serving_default`` of a SavedModel loaded by ``tf.saved_model.load`` (its variables restored)."""
+        variables = {id(v): v for v in tf_internals.trackable_descendants(root) if isinstance(v, tf.Variable)}
+        return cls(root.signatures[SIGNATURE], sum(_bytes(v) for v in variables.values()), root)
 
     @classmethod
     def in_memory(cls, rewritten: Any) -> "Model":
@@ -164,10 +168,15 @@ def multiply_adds(layer: LayerShape, stats: Optional[LayerStats]) -> float:
     return total
 
 
+def reference_of(source: savedmodel_io.LoadedModel) -> Reference:
+    """The float model's ``serving_default`` and layer index for :func:`local_errors` (read only)."""
+    return Reference(source.signatures[SIGNATURE], layer_index.build(source))
+
+
 def local_errors(reference: Reference, rewritten: Any, batches: Sequence[Batch]) -> dict[str, LayerStats]:
     """Per layer path: the error it adds fed the float model's inputs (``--validate``'s per-layer report).
 
-    ``reference``: :func:`load_reference` of the input, loaded once; ``rewritten``:
+    ``reference``: :func:`reference_of` the input, loaded once; ``rewritten``:
     :func:`tfpolicy.api.rewrite_in_memory`'s result.
     """
     stats = compare_programs(reference, rewritten.programs[SIGNATURE], rewritten.handles[SIGNATURE], list(batches),

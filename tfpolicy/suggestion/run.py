@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import keras
 
 from tfpolicy.analysis.policy_map import PolicyMap
-from tfpolicy.core import inputs, paths
+from tfpolicy.core import inputs, paths, savedmodel_io
 from tfpolicy.errors import InputDataError, TfPolicyError
 from tfpolicy.suggestion import measure, search
 from tfpolicy.suggestion.measure import METRICS, Metric, Model
@@ -137,7 +137,8 @@ def suggest(
     paths.check_input_dir(input_path)
     chosen_candidates = _check_arguments(max_error, metric, objective, target, candidates, held_out)
     batches = inputs.batches_from(data, what="--data", batch_size=BATCH)
-    reference = Model.load(input_path)
+    source = savedmodel_io.load(input_path, [measure.SIGNATURE])  # loaded once: the reference, and every rewrite's input
+    reference = Model.of_root(source.root)
     inputs.check_inputs(batches[0], measure.SIGNATURE, reference.function, what="--data")
     batches = [inputs.conform(b, reference.function) for b in batches]
     name = measure.choose_output(reference.function, output)
@@ -147,7 +148,7 @@ def suggest(
     timing_batch = measure.rows_of(search_rows[0], 0, TIMING_ROWS)
     ref_search = reference.outputs(search_rows, name)
     ref_verify = reference.outputs(verify_rows, name)
-    float_layers = measure.load_reference(input_path, measure.SIGNATURE)  # read only
+    float_layers = measure.reference_of(source)
     layers = measure.layer_shapes(float_layers.index)
     all_paths = sorted(float_layers.index.paths)
     tried: list[Tried] = []
@@ -163,7 +164,7 @@ def suggest(
     for i, policy in enumerate(chosen_candidates):
         say(f"candidate {i + 1}/{len(chosen_candidates)}: {policy} on every layer")
         plain = {"default_policy": policy}
-        rewritten = None if policy == "float32" else _rewrite(input_path, plain, target, search_rows)
+        rewritten = None if policy == "float32" else _rewrite(input_path, source, plain, target, search_rows)
         model = reference if rewritten is None else Model.in_memory(rewritten)
         error_search = measure_error(ref_search, model.outputs(search_rows, name))
         stats = {} if rewritten is None else measure.local_errors(float_layers, rewritten, sensitivity_rows)
@@ -184,7 +185,7 @@ def suggest(
         seen.add(key)
         say(f"verifying suggestion {round_number}: {len(plain['policy_map'])} key(s) over default {default}")
         error = measured(f"suggestion {round_number}", plain,
-                         Model.in_memory(_rewrite(input_path, plain, target, search_rows))).error
+                         Model.in_memory(_rewrite(input_path, source, plain, target, search_rows))).error
         if error <= max_error:
             break
         predicted = tables.predicted_error(assignment, default)
@@ -224,8 +225,10 @@ def _check_arguments(max_error, metric, objective, target, candidates, held_out)
     return chosen
 
 
-def _rewrite(input_path: pathlib.Path, plain: dict, target: Optional[str], rows) -> Any:
-    """``plain`` applied by the rewrite to ``serving_default``, kept in memory (nothing is written)."""
+def _rewrite(input_path: pathlib.Path, source: savedmodel_io.LoadedModel, plain: dict, target: Optional[str],
+             rows) -> Any:
+    """``plain`` applied by the rewrite to ``serving_default`` of ``source`` (the input, loaded), kept in
+    memory (nothing is written)."""
     from tfpolicy import api  # noqa: PLC0415
 
     needs_data = any(getattr(keras.dtype_policies.get(p), "quantization_mode", None) == "float8"
@@ -237,7 +240,7 @@ def _rewrite(input_path: pathlib.Path, plain: dict, target: Optional[str], rows)
     package.setLevel(logging.ERROR)
     try:
         return api.rewrite_in_memory(input_path, plain, signatures=[measure.SIGNATURE], target=target,
-                                     calibration_data=list(rows) if needs_data else None)
+                                     calibration_data=list(rows) if needs_data else None, loaded=source)
     finally:
         package.setLevel(level)
 
