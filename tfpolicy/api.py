@@ -299,7 +299,8 @@ def _run(input_path, output_path, policy_map, signatures, target=None, int8_conv
         logger.warning(message)
     values_by_uid = {id(v): v for v in model.variables}
     new_variables = build_variables(
-        qplan, lambda uid: model.read(values_by_uid[uid]).numpy(), lambda uid: tuple(values_by_uid[uid].shape), chosen
+        qplan, lambda uid: model.read(values_by_uid[uid]).numpy(), lambda uid: tuple(values_by_uid[uid].shape), chosen,
+        model.derived,
     )
     variable_dtypes = choose_variable_dtypes(the_plan, index, skip=qplan.integer_kernels)
 

@@ -459,11 +459,14 @@ def _float8(spec: dict) -> Any:
     )
 
 
-def keras_native(model: RealModel, plain: dict, scales: Optional[dict[str, float]] = None) -> dict[str, np.ndarray]:
+def keras_native(model: RealModel, plain: dict, scales: Optional[dict[str, float]] = None,
+                 policy_map: Any = None) -> dict[str, np.ndarray]:
     """Outputs of the model with the map applied in Keras itself.
 
     ``scales`` (float8): variable path -> value copied into the Keras layers
     after quantization (the tool's calibrated ``inputs_scale`` / ``kernel_scale``).
+    ``policy_map``: a Keras ``DTypePolicyMap`` to apply as it is (``plain``
+    gives only its default), instead of :func:`keras_map` of ``plain``.
     """
     import keras  # noqa: PLC0415
 
@@ -472,7 +475,7 @@ def keras_native(model: RealModel, plain: dict, scales: Optional[dict[str, float
     # default, and the float32 pins of keras_hub's code stay; then every layer
     # with a path gets ``pm[layer.path]`` (the setter quantizes).
     native = model.rebuild(plain["default_policy"])
-    pm = keras_map(plain, model)
+    pm = keras_map(plain, model) if policy_map is None else policy_map
     for layer in native._flatten_layers(include_self=False):
         if layer.path:
             layer.dtype_policy = pm[layer.path]

@@ -6,9 +6,12 @@ ResNet50 of ``tools/realmodels.py``): export it, write its data (the encoder:
 batches, 20 rows), measure the error of ``mixed_bfloat16`` on the rows
 suggest holds out, and run ``tfpolicy.suggest`` with ``--max_error`` twice
 that, for each objective asked. A row says the suggested map's held-out
-error, its measured latency and bytes, those of the best single policy that
-meets the budget, and the search's time against one default rewrite
-(``mixed_bfloat16``, serving checks on) of the same model.
+error; the error of Keras applying the map natively (its serialized form,
+loaded with ``keras.saving.deserialize_keras_object``, run as a graph) and
+the larger of the two over the smaller; the map's measured latency and
+bytes, those of the best single policy that meets the budget, and the
+search's time against one default rewrite (``mixed_bfloat16``, serving
+checks on) of the same model.
 
     python tools/suggest_bench.py --models encoder12,bert,llama,resnet50 --target cpu --markdown
 """
@@ -16,13 +19,14 @@ meets the budget, and the search's time against one default rewrite
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Any, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -32,21 +36,48 @@ import numpy as np  # noqa: E402
 ENCODER_ROWS = 16
 
 
-def prepare(name: str, workdir: pathlib.Path) -> tuple[pathlib.Path, dict[str, np.ndarray]]:
-    """The exported model and its data (all rows, in the order suggest reads them)."""
-    if name.startswith("encoder"):
-        import bench  # noqa: PLC0415
+def _encoder(name: str) -> Any:
+    import bench  # noqa: PLC0415
 
-        depth = int(name[len("encoder"):] or 12)
+    return bench.build_encoder(int(name[len("encoder"):] or 12), 768, 12, 128, 3072)  # seeded: the same weights
+
+
+def prepare(name: str, workdir: pathlib.Path) -> tuple[pathlib.Path, dict[str, np.ndarray], Any]:
+    """The exported model, its data (all rows, in the order suggest reads them), and the
+    ``realmodels.RealModel`` (None for the encoder)."""
+    if name.startswith("encoder"):
         directory = workdir / name
-        bench.build_encoder(depth, 768, 12, 128, 3072).export(str(directory), verbose=False)
+        _encoder(name).export(str(directory), verbose=False)
         rng = np.random.default_rng(0)
-        return directory, {"tokens": rng.normal(size=(ENCODER_ROWS, 128, 768)).astype(np.float32)}
+        return directory, {"tokens": rng.normal(size=(ENCODER_ROWS, 128, 768)).astype(np.float32)}, None
     import realmodels  # noqa: PLC0415
 
     model = realmodels.build(name, workdir / name)
     batches = [model.inputs, *model.calibration]
-    return model.saved_model_dir, {k: np.concatenate([b[k] for b in batches]) for k in model.inputs}
+    return model.saved_model_dir, {k: np.concatenate([b[k] for b in batches]) for k in model.inputs}, model
+
+
+def keras_error(name: str, real: Any, keras_config: dict, rows: dict[str, np.ndarray], output: str,
+                reference: np.ndarray) -> float:
+    """The metric's error of Keras applying the suggested map natively (its serialized form, loaded with
+    ``keras.saving.deserialize_keras_object``), run as a graph on the held-out ``rows``."""
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    policy_map = keras.saving.deserialize_keras_object(json.loads(json.dumps(keras_config)))
+    if real is None:
+        native = _encoder(name)
+        for layer in native._flatten_layers(include_self=False):
+            if layer.path:
+                layer.dtype_policy = policy_map[layer.path]
+        (values,) = rows.values()
+        got = tf.function(lambda x: native(x, training=False))(tf.constant(values)).numpy()
+    else:
+        import realmodels  # noqa: PLC0415
+
+        plain = {"default_policy": policy_map.default_policy.name}
+        got = realmodels.keras_native(dataclasses.replace(real, inputs=rows), plain, policy_map=policy_map)[output]
+    return float(np.max(np.abs(np.asarray(got, np.float64) - reference)) / np.max(np.abs(reference)))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -67,7 +98,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         workdir = pathlib.Path(scratch)
         for name in args.models.split(","):
-            model_dir, data = prepare(name, workdir)
+            model_dir, data, real = prepare(name, workdir)
             np.savez(workdir / f"{name}.npz", **data)
             function = tf.saved_model.load(str(model_dir)).signatures["serving_default"]
             outputs = sorted(function.structured_outputs)
@@ -88,12 +119,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                 key = (lambda t: t.latency_s) if objective == "latency" else (lambda t: t.bytes)
                 best = min(uniform, key=key)
                 chosen = result.chosen
+                held_rows = {k: np.concatenate([b[k] for b in held_out]) for k in held_out[0]}
+                native = keras_error(name, real, result.keras_config(), held_rows, output,
+                                     np.concatenate(ref).astype(np.float64))
                 rows.append({
                     "model": name, "objective": objective, "budget": budget, "chosen": chosen.label,
                     "error": chosen.error, "latency_ms": chosen.latency_s * 1e3, "mb": chosen.bytes / 1e6,
                     "best_single": best.label.replace(" (every layer)", ""), "single_error": best.error,
                     "single_latency_ms": best.latency_s * 1e3, "single_mb": best.bytes / 1e6,
-                    "search_s": result.seconds, "rewrite_s": rewrite_s, "map": result.policy_map,
+                    "keras_error": native, "search_s": result.seconds, "rewrite_s": rewrite_s, "map": result.policy_map,
                     "frontier": [t.to_json() for t in result.tried],
                 })
                 print(_line(rows[-1]), file=sys.stderr, flush=True)
@@ -104,15 +138,25 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _line(row: dict) -> str:
-    return (f"{row['model']} {row['objective']}: {row['chosen']} err {row['error']:.3g} (budget {row['budget']:.3g})"
+    return (f"{row['model']} {row['objective']}: {row['chosen']} err {row['error']:.3g} (budget {row['budget']:.3g};"
+            f" Keras {row['keras_error']:.3g}, {_keras_ratio(row)})"
             f" {row['latency_ms']:.1f} ms {row['mb']:.2f} MB; best single {row['best_single']} {row['single_latency_ms']:.1f}"
             f" ms {row['single_mb']:.2f} MB; search {row['search_s']:.0f}s = {row['search_s'] / row['rewrite_s']:.1f}x rewrite")
 
 
+def _keras_ratio(row: dict) -> str:
+    """The larger of the two errors over the smaller (1.00 when both are 0)."""
+    low, high = sorted((row["error"], row["keras_error"]))
+    if high == 0:
+        return "1.00"
+    return f"{high / low:.2f}" if low > 0 else "inf"
+
+
 def _table(rows: list[dict], markdown: bool) -> str:
-    header = ["model", "objective", "budget", "suggested: error", "ms", "MB", "best single policy", "ms", "MB",
-              "search s", "x rewrite"]
-    lines = [[r["model"], r["objective"], f"{r['budget']:.3g}", f"{r['error']:.3g}", f"{r['latency_ms']:.1f}",
+    header = ["model", "objective", "budget", "suggested: error", "Keras", "x", "ms", "MB", "best single policy", "ms",
+              "MB", "search s", "x rewrite"]
+    lines = [[r["model"], r["objective"], f"{r['budget']:.3g}", f"{r['error']:.3g}", f"{r['keras_error']:.3g}",
+              _keras_ratio(r), f"{r['latency_ms']:.1f}",
               f"{r['mb']:.2f}", r["best_single"], f"{r['single_latency_ms']:.1f}", f"{r['single_mb']:.2f}",
               f"{r['search_s']:.0f}", f"{r['search_s'] / r['rewrite_s']:.1f}"] for r in rows]
     if markdown:

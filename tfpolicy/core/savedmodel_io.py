@@ -84,9 +84,14 @@ class LoadedModel:
     checkpoint: Optional[checkpoints.SavedModelCheckpoint] = None
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     """Signature key -> the key in ``signatures`` that computes the same (rewritten once, saved under both)."""
+    derived: Optional[dict] = None
+    """Where set (a dict), values derived from the variables (quantized kernels) are kept here once made
+    and shared by every :meth:`copy`: several rewrites of one load quantize each kernel once. Unset
+    (the default), a rewrite holds no value longer than it needs it."""
 
     def copy(self) -> "LoadedModel":
-        """The same model with signature programs to edit apart from this one's (one load, several rewrites)."""
+        """The same model with signature programs to edit apart from this one's (one load, several
+        rewrites); variables and :attr:`derived` shared."""
         return dataclasses.replace(self, signatures={k: p.copy() for k, p in self.signatures.items()},
                                    aliases=dict(self.aliases))
 

@@ -40,7 +40,7 @@ FLOAT32_EXACT_INTEGER = 2**24
 
 def build_variables(
     qplan: QuantPlan, read_value: Callable[[int], np.ndarray], shape_of: Callable[[int], tuple[int, ...]],
-    lowering: Optional[Lowering] = None,
+    lowering: Optional[Lowering] = None, derived: Optional[dict] = None,
 ) -> dict[str, NewVariable]:
     """Every variable the quantization adds, by name, with its shape and dtype now and its value when asked.
 
@@ -56,7 +56,9 @@ def build_variables(
     whose companion is how many chunks the contraction is split into so that
     oneDNN's sums stay exact (:func:`u8_exact_chunks`); otherwise the int8
     kernel's companion is the chunks a float32 matmul of it needs
-    (:func:`float_exact_chunks`).
+    (:func:`float_exact_chunks`). ``derived``: a dict that keeps each
+    kernel's quantized values once made, for later rewrites of the same load
+    (:attr:`tfpolicy.core.savedmodel_io.LoadedModel.derived`).
     """
     variables: dict[str, NewVariable] = {}
     integer = {s.variable_uid for s in qplan.sites if s.integer is not None}
@@ -65,7 +67,8 @@ def build_variables(
         onednn = lowering is not None and lowering.int8_matmul == "onednn" and kernel.uid in integer
         in_order = all(not s.integer.kernel_layout and not s.integer.transpose_kernel
                        for s in qplan.sites if s.variable_uid == kernel.uid and s.integer is not None)
-        values = LazyValues(functools.partial(_int8_values, read_value, kernel, onednn, in_order))
+        values = LazyValues(_kept(derived, ("int8", kernel.uid, kernel.reduced_axes, onednn, in_order),
+                                  functools.partial(_int8_values, read_value, kernel, onednn, in_order)))
         kept = [d for axis, d in enumerate(shape) if axis not in kernel.reduced_axes]
         variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid,
                                                   companion=None if onednn else 2)
@@ -75,7 +78,8 @@ def build_variables(
                                                                  companion=3)
     for kernel in sorted(qplan.int4_kernels.values(), key=lambda k: k.name):
         packed, scale = int4_shapes(kernel)
-        values = LazyValues(lambda kernel=kernel: int4_values(read_value(kernel.uid), kernel))
+        values = LazyValues(_kept(derived, ("int4", kernel),
+                                  lambda kernel=kernel: int4_values(read_value(kernel.uid), kernel)))
         variables[kernel.name] = NewVariable.part(kernel.name, packed, np.int8, values, 0, replaces=kernel.uid)
         variables[kernel.scale_name] = NewVariable.part(kernel.scale_name, scale, np.float32, values, 1)
         if kernel.block_size is not None:
@@ -95,6 +99,20 @@ def build_variables(
         variables[group.name("kernel_amax_history")] = NewVariable.part(
             group.name("kernel_amax_history"), (group.history_length,), np.float32, values, 1, derived_from=group.kernel_uid)
     return variables
+
+
+def _kept(derived: Optional[dict], key: tuple, compute: Callable[[], tuple]) -> Callable[[], tuple]:
+    """``compute``, its result kept in ``derived`` under ``key`` (values that depend on the float
+    variable and ``key`` alone), when ``derived`` is given."""
+    if derived is None:
+        return compute
+
+    def kept() -> tuple:
+        if key not in derived:
+            derived[key] = compute()
+        return derived[key]
+
+    return kept
 
 
 def _int8_values(read_value, kernel, onednn: bool = False, in_order: bool = True) -> tuple[np.ndarray, ...]:

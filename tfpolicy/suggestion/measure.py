@@ -95,11 +95,22 @@ class Model:
         """``serving_default`` of :func:`tfpolicy.api.rewrite_in_memory`'s result."""
         return cls(rewritten.signatures[SIGNATURE], rewritten.variable_bytes, rewritten)
 
-    def outputs(self, batches: Sequence[Batch], name: str) -> list[np.ndarray]:
-        return [self.function(**{k: tf.constant(v) for k, v in batch.items()})[name].numpy() for batch in batches]
+    def outputs(self, batches: Sequence[Batch], name: str, seconds: Optional[list[float]] = None) -> list[np.ndarray]:
+        """Output ``name`` on each batch; ``seconds``, when given, receives each call's time."""
+        found = []
+        for batch in batches:
+            feed = {k: tf.constant(v) for k, v in batch.items()}
+            started = time.perf_counter()
+            found.append(self.function(**feed)[name].numpy())
+            if seconds is not None:
+                seconds.append(time.perf_counter() - started)
+        return found
 
-    def latency(self, batch: Batch, runs: int = 3, warmups: int = 1) -> float:
-        """Seconds of the fastest of ``runs`` calls after ``warmups`` (a graph call, as TF Serving makes it)."""
+    def latency(self, batch: Batch, runs: int = 3, warmups: int = 0) -> float:
+        """Seconds of the fastest of ``runs`` calls after ``warmups`` (a graph call, as TF Serving makes it).
+
+        No warm-up by default: suggest times a function after :meth:`outputs` has run it (its first
+        call, which optimizes the graph, is behind it)."""
         feed = {k: tf.constant(v) for k, v in batch.items()}
         for _ in range(warmups):
             self.function(**feed)

@@ -53,6 +53,7 @@ DEFAULT_CANDIDATES = {
 BATCH = 16
 SENSITIVITY_ROWS = 4  # the per-layer comparison runs the model three times: a few rows tell each layer's error
 TIMING_ROWS = 8  # latency is measured at this batch (or the data's, if smaller)
+TIMING_RUNS = 3  # the fastest of this many calls
 MARGIN = 0.9  # the search aims below the budget: predictions are estimates
 
 
@@ -138,6 +139,7 @@ def suggest(
     chosen_candidates = _check_arguments(max_error, metric, objective, target, candidates, held_out)
     batches = inputs.batches_from(data, what="--data", batch_size=BATCH)
     source = savedmodel_io.load(input_path, [measure.SIGNATURE])  # loaded once: the reference, and every rewrite's input
+    source.derived = {}  # each kernel quantized once, whichever candidates and maps quantize it
     reference = Model.of_root(source.root)
     inputs.check_inputs(batches[0], measure.SIGNATURE, reference.function, what="--data")
     batches = [inputs.conform(b, reference.function) for b in batches]
@@ -145,7 +147,11 @@ def suggest(
     measure_error = Metric(metric, name)
     search_rows, verify_rows = measure.split_rows(batches, held_out)
     sensitivity_rows = [measure.rows_of(search_rows[0], 0, SENSITIVITY_ROWS)]
-    timing_batch = measure.rows_of(search_rows[0], 0, TIMING_ROWS)
+    # The first search batch is the timing batch: a candidate's call on it is one of its latency samples.
+    first, first_rows = search_rows[0], inputs.batch_rows(search_rows[0])
+    search_rows[:1] = [measure.rows_of(first, start, min(start + TIMING_ROWS, first_rows))
+                       for start in range(0, first_rows, TIMING_ROWS)]
+    timing_batch = search_rows[0]
     ref_search = reference.outputs(search_rows, name)
     ref_verify = reference.outputs(verify_rows, name)
     float_layers = measure.reference_of(source)
@@ -154,10 +160,19 @@ def suggest(
     tried: list[Tried] = []
     uniform: dict[str, dict] = {}
 
-    def measured(label: str, plain: dict, model: Model) -> Tried:
-        """The map's held-out error, latency and stored bytes, added to the frontier."""
+    def measured(label: str, plain: dict, model: Model, search_outputs: Optional[list] = None) -> Tried:
+        """The map's held-out error, latency and stored bytes, added to the frontier.
+
+        The held-out rows run first (a function's first call optimizes its
+        graph); ``search_outputs``, when given, receives the outputs on the
+        search rows, whose first call is one of the latency's samples.
+        """
         error = measure_error(ref_verify, model.outputs(verify_rows, name))
-        entry = Tried(label, plain, error, model.latency(timing_batch), model.variable_bytes, error <= max_error)
+        seconds: list[float] = []
+        if search_outputs is not None:
+            search_outputs.extend(model.outputs(search_rows, name, seconds))
+        latency = min(seconds[:1] + [model.latency(timing_batch, runs=TIMING_RUNS - len(seconds[:1]))])
+        entry = Tried(label, plain, error, latency, model.variable_bytes, error <= max_error)
         tried.append(entry)
         return entry
 
@@ -166,21 +181,25 @@ def suggest(
         plain = {"default_policy": policy}
         rewritten = None if policy == "float32" else _rewrite(input_path, source, plain, target, search_rows)
         model = reference if rewritten is None else Model.in_memory(rewritten)
-        error_search = measure_error(ref_search, model.outputs(search_rows, name))
+        got_search: list = []  # the float model's are at hand
+        entry = measured(f"{policy} (every layer)", plain, model, None if rewritten is None else got_search)
+        error_search = 0.0 if rewritten is None else measure_error(ref_search, got_search)
         stats = {} if rewritten is None else measure.local_errors(float_layers, rewritten, sensitivity_rows)
         quantized = set() if rewritten is None else {
             p for p, q in rewritten.report.quantization.items() if q.ops_quantized}
-        entry = measured(f"{policy} (every layer)", plain, model)
         uniform[policy] = {"error": error_search, "stats": stats, "quantized": quantized, "tried": entry}
         del model, rewritten  # one rewrite's variables in memory at a time
+    left = _left_unquantized(layers, uniform)
+    for entry in tried:  # the uniform maps as the rewrite applied them
+        entry.policy_map = _applied_map({}, entry.policy_map["default_policy"], all_paths, left)
     tables = _tables(layers, uniform, chosen_candidates, objective)
     assignment = search.cheapest_within(tables, max_error, MARGIN)
-    seen: set[str] = set()
+    seen = {json.dumps(t.policy_map, sort_keys=True) for t in tried}  # a map measured already ends the rounds
     for round_number in range(1, rounds + 1):
         default = search.majority(assignment, chosen_candidates)
-        plain = {"default_policy": default, "policy_map": search.policy_map(assignment, all_paths, default)}
+        plain = _applied_map(assignment, default, all_paths, left)
         key = json.dumps(plain, sort_keys=True)
-        if key in seen or not plain["policy_map"]:  # a uniform map was measured above
+        if key in seen:
             break
         seen.add(key)
         say(f"verifying suggestion {round_number}: {len(plain['policy_map'])} key(s) over default {default}")
@@ -243,6 +262,34 @@ def _rewrite(input_path: pathlib.Path, source: savedmodel_io.LoadedModel, plain:
                                      calibration_data=list(rows) if needs_data else None, loaded=source)
     finally:
         package.setLevel(level)
+
+
+def _left_unquantized(layers: dict[str, measure.LayerShape], uniform: dict[str, dict]) -> dict[str, set[str]]:
+    """Per quantized candidate: the layers with kernels that its rewrite of every layer left unquantized
+    (a convolution without ``--int8_convolutions``, a position embedding), which run in its source policy."""
+    return {policy: {path for path, shape in layers.items() if shape.kernels and path not in found["quantized"]}
+            for policy, found in uniform.items() if _source(policy) != policy}
+
+
+def _source(policy: str) -> str:
+    """A quantized policy's source policy (``int8_from_bfloat16`` -> ``bfloat16``); others, themselves."""
+    if getattr(keras.dtype_policies.get(policy), "quantization_mode", None) is None:
+        return policy
+    return policy.split("_from_", 1)[1]
+
+
+def _applied_map(assignment: dict[str, str], default: str, all_paths: list[str], left: dict[str, set[str]]) -> dict:
+    """The plain map of ``assignment`` over ``default`` as the rewrite applies it.
+
+    A quantized policy on a layer the rewrite leaves unquantized under it
+    (``left``) is written as its source policy, which is what that layer
+    runs in: the map then means the same to Keras, which would quantize a
+    convolution the rewrite (without ``--int8_convolutions``) does not.
+    """
+    full = {path: assignment.get(path, default) for path in all_paths}
+    full = {path: _source(policy) if path in left.get(policy, ()) else policy for path, policy in full.items()}
+    keys = search.policy_map(full, all_paths, default)
+    return {"default_policy": default, "policy_map": keys} if keys else {"default_policy": default}
 
 
 def _tables(layers: dict[str, measure.LayerShape], uniform: dict[str, dict], candidates: tuple[str, ...],

@@ -67,14 +67,16 @@ class ErrorAccumulator:
         out = np.asarray(output, dtype=np.float64).reshape(-1)
         with np.errstate(invalid="ignore", over="ignore"):
             diff = out - ref
-            self.sum_sq_diff += float(np.sum(diff * diff))
-            self.sum_sq_ref += float(np.sum(ref * ref))
-            self.sum_sq_out += float(np.sum(out * out))
-            self.sum_dot += float(np.sum(ref * out))
+            # Sums of products as dot products (BLAS, no temporary arrays).
+            squared_diff = float(np.dot(diff, diff))
+            self.sum_sq_diff += squared_diff
+            self.sum_sq_ref += float(np.dot(ref, ref))
+            self.sum_sq_out += float(np.dot(out, out))
+            self.sum_dot += float(np.dot(ref, out))
         if diff.size:
-            finite = np.all(np.isfinite(diff))
-            self.max_abs_diff = max(self.max_abs_diff, float(np.max(np.abs(diff))) if finite else math.inf)
-            self.max_abs_ref = max(self.max_abs_ref, float(np.max(np.abs(ref))))
+            finite = math.isfinite(squared_diff) or bool(np.all(np.isfinite(diff)))
+            self.max_abs_diff = max(self.max_abs_diff, max(float(diff.max()), -float(diff.min())) if finite else math.inf)
+            self.max_abs_ref = max(self.max_abs_ref, max(float(ref.max()), -float(ref.min())))
         self.count += ref.size
 
     def merge(self, other: "ErrorAccumulator") -> None:
