@@ -51,7 +51,16 @@ class Case:
         self.keras_model = self._quantized_by_keras()
 
     def _quantized_by_keras(self) -> keras.Model:
-        model = self.build()
+        # The documented way (a float32 model given each layer's policy, then quantized), except for a
+        # source whose variables are not float32 (bfloat16): a float32 layer given that policy keeps
+        # float32 variables and computes in float32, so the model is built under the source policy
+        # (its kernels bfloat16 variables, which quantize() reads) and the float weights set.
+        stored = keras.dtype_policies.get(self.source).variable_dtype
+        keras.config.set_dtype_policy(self.source if stored != "float32" else "float32")
+        try:
+            model = self.build()
+        finally:
+            keras.config.set_dtype_policy("float32")
         model.set_weights(self.weights)
         for layer in model._flatten_layers(include_self=False):
             if layer.path:
@@ -85,7 +94,7 @@ def cases(tmp_path_factory):
 
 
 @pytest.mark.parametrize("block", ["per_channel", "block8"])
-@pytest.mark.parametrize("source", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("source", ["float32", "mixed_bfloat16", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_int4_outputs_equal_keras_bit_for_bit(cases, name, source, block):
     case = cases(name, source, block)

@@ -82,7 +82,7 @@ TARGETS = [None, "gpu", pytest.param("cpu", marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
-@pytest.mark.parametrize("source", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("source", ["float32", "mixed_bfloat16", "bfloat16"])
 @pytest.mark.parametrize("target", TARGETS)
 def test_int8_outputs_equal_keras_bit_for_bit(cases, name, source, target):
     """Bit for bit in graph mode. --target gpu marks the signatures for XLA, so that output runs compiled: the

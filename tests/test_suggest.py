@@ -24,6 +24,7 @@ from cli_helpers import run_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SUGGEST = "tfpolicy.suggest"
+sys.path.insert(0, str(ROOT / "tools"))  # bench.py's encoder, realmodels.py's Keras application
 PATHS = [f"block_{i}/{part}" for i in range(3) for part in ("attn", "ffn_in", "ffn_out", "norm")] + ["head"]
 
 
@@ -90,7 +91,6 @@ SEQ, WIDTH = 16, 64
 
 
 def build_encoder():
-    sys.path.insert(0, str(ROOT / "tools"))
     import bench  # noqa: PLC0415
 
     return bench.build_encoder(depth=2, width=WIDTH, heads=4, seq=SEQ, ffn=4 * WIDTH)
@@ -113,6 +113,26 @@ def held_out_error(model_dir, other_dir, data) -> float:
     got = tf.saved_model.load(str(other_dir)).signatures["serving_default"](tokens=tf.constant(rows))
     (ref,), (got,) = ref.values(), got.values()
     return float(np.max(np.abs(got.numpy() - ref.numpy())) / np.max(np.abs(ref.numpy())))
+
+
+def keras_applied(build, policy_map):
+    """The model ``build`` makes, with ``policy_map`` applied by Keras to its float weights
+    (``tools/realmodels.py``'s ``keras_applied``)."""
+    import keras  # noqa: PLC0415
+    import realmodels  # noqa: PLC0415
+
+    weights = build().get_weights()
+
+    def rebuild(policy):
+        keras.config.set_dtype_policy(policy)
+        try:
+            model = build()
+        finally:
+            keras.config.set_dtype_policy("float32")
+        model.set_weights(weights)
+        return model
+
+    return realmodels.keras_applied(rebuild, policy_map)
 
 
 @pytest.fixture(scope="session")
@@ -153,10 +173,7 @@ def test_keras_applying_the_serialized_map_lands_within_1_1x_of_the_rewrite(enco
     _, _, data = encoder
     policy_map = keras.saving.deserialize_keras_object(json.loads(json.dumps(result.keras_config())))
     assert isinstance(policy_map, keras.dtype_policies.DTypePolicyMap)
-    reference, native = build_encoder(), build_encoder()  # the same seed: the same weights
-    for layer in native._flatten_layers(include_self=False):
-        if layer.path:
-            layer.dtype_policy = policy_map[layer.path]
+    reference, native = build_encoder(), keras_applied(build_encoder, policy_map)  # seeded: the same weights
     rows = tf.constant(data["tokens"][30:])
     y0 = tf.function(lambda x: reference(x, training=False))(rows).numpy()
     y = tf.function(lambda x: native(x, training=False))(rows).numpy().astype(np.float32)
@@ -226,3 +243,42 @@ def test_an_interrupt_mid_search_is_one_line_and_leaves_nothing(encoder, tmp_pat
     assert process.wait(timeout=120) == 128 + signal.SIGTERM, rest
     assert rest.strip().splitlines()[-1] == "tfpolicy: interrupted by SIGTERM; nothing was written", rest
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("__autograph")] == []
+
+
+def build_cnn():
+    import keras  # noqa: PLC0415
+
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((8, 8, 3), name="images")
+    x = keras.layers.Conv2D(8, 3, activation="relu", name="conv")(inputs)
+    x = keras.layers.Flatten(name="flatten")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(x))
+
+
+@pytest.mark.slow
+def test_a_layer_the_rewrite_leaves_unquantized_is_written_in_the_policy_it_runs_in(tmp_path):
+    """int8 on every layer quantizes the Dense head but not the convolution (no --int8_convolutions):
+    the map says the convolution is float32, so it means what was measured under either flag."""
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    import tfpolicy  # noqa: PLC0415
+
+    build_cnn().export(str(tmp_path / "cnn"), verbose=False)
+    images = np.random.default_rng(1).standard_normal((16, 8, 8, 3)).astype(np.float32)
+    result = tfpolicy.suggest(tmp_path / "cnn", {"images": images}, 1.0, objective="bytes",
+                              candidates=["float32", "int8_from_float32"])
+    assert result.policy_map == {"default_policy": "int8_from_float32", "policy_map": {"conv": "float32"}}
+    held_out = tf.constant(images[12:])
+    (y0,) = tf.saved_model.load(str(tmp_path / "cnn")).signatures["serving_default"](images=held_out).values()
+    y0 = y0.numpy()
+    for int8_convolutions in (False, True):
+        out = tmp_path / f"int8conv_{int8_convolutions}"
+        tfpolicy.rewrite(tmp_path / "cnn", out, result.policy_map, serving_checks=False,
+                         int8_convolutions=int8_convolutions)
+        (y,) = tf.saved_model.load(str(out)).signatures["serving_default"](images=held_out).values()
+        assert float(np.max(np.abs(y.numpy() - y0)) / np.max(np.abs(y0))) == pytest.approx(result.chosen.error)
+    policy_map = keras.saving.deserialize_keras_object(result.keras_config())
+    native = keras_applied(build_cnn, policy_map)
+    y = tf.function(lambda x: native(x, training=False))(held_out).numpy()
+    assert float(np.max(np.abs(y - y0)) / np.max(np.abs(y0))) == pytest.approx(result.chosen.error, rel=0.1)

@@ -229,7 +229,7 @@ def _keras3(name: str, directory: pathlib.Path) -> RealModel:
     model.export(str(directory), verbose=False)
     weights = [np.array(w) for w in model.get_weights()]
 
-    def rebuild(policy: str = "float32") -> Any:
+    def rebuild(policy: Any = "float32") -> Any:  # a policy's name, or a DTypePolicyMap
         previous = keras.config.dtype_policy()
         _fresh_names(keras)  # before the policy: it resets the global policy too
         keras.config.set_dtype_policy(policy)
@@ -470,15 +470,25 @@ def keras_native(model: RealModel, plain: dict, scales: Optional[dict[str, float
     """
     import keras  # noqa: PLC0415
 
-    # Built under the map's default policy, as a model built with ``dtype=pm``
-    # is: layers without a path (Dropout, Activation, Softmax) take the
-    # default, and the float32 pins of keras_hub's code stay; then every layer
-    # with a path gets ``pm[layer.path]`` (the setter quantizes).
-    native = model.rebuild(plain["default_policy"])
-    pm = keras_map(plain, model) if policy_map is None else policy_map
-    for layer in native._flatten_layers(include_self=False):
-        if layer.path:
-            layer.dtype_policy = pm[layer.path]
+    if policy_map is None:
+        # Built under the map's default policy, as a model built with ``dtype=pm``
+        # is: layers without a path (Dropout, Activation, Softmax) take the
+        # default, and the float32 pins of keras_hub's code stay; then every
+        # layer with a path gets ``pm[layer.path]`` (the setter quantizes).
+        pm = keras_map(plain, model)
+        native = model.rebuild(plain["default_policy"])
+        layers = [layer for layer in native._flatten_layers(include_self=False) if layer.path]
+    else:
+        pm = policy_map
+        native = keras_applied(model.rebuild, pm)
+        layers = []
+    for layer in layers:
+        policy = pm[layer.path]
+        if type(layer).quantize is keras.layers.Layer.quantize:
+            # Keras cannot quantize it (LayerNormalization, Conv2D, Add: no quantize()):
+            # it computes in the source policy, as it would built under the quantized one.
+            policy = _unquantized(policy)
+        layer.dtype_policy = policy
     if scales:
         for variable in native.variables:
             if variable.path in scales:
@@ -498,6 +508,52 @@ def keras_native(model: RealModel, plain: dict, scales: Optional[dict[str, float
         raise ValueError(f"{model.name}: inputs {sorted(feeds)} do not fit the model's {spec}")
     outputs = tf.function(lambda x: native(x, training=False), input_signature=[spec])(args)
     return _as_dict(keras.ops.convert_to_numpy, outputs)
+
+
+def keras_applied(rebuild: Callable[[Any], Any], policy_map: Any) -> Any:
+    """The model with a Keras ``DTypePolicyMap`` applied by Keras, from its float weights.
+
+    ``rebuild(policy)`` builds the model under a global policy and sets the
+    float weights. Built under the map itself, each quantized policy replaced
+    by its source: every layer creates its variables in its own policy's
+    dtype (a bfloat16 layer's kernel is bfloat16, where a float32 layer given
+    a bfloat16 policy after its build keeps float32 variables and computes in
+    float32). Then every layer the map quantizes is given its policy, and the
+    setter quantizes the kernel it stores; a layer Keras cannot quantize (no
+    ``quantize()``: LayerNormalization, Conv2D, Add) stays in the source
+    policy, as it computes built under the quantized one.
+    """
+    import keras  # noqa: PLC0415
+
+    built_under = unquantized_map(policy_map)
+    native = rebuild(built_under)
+    for layer in native._flatten_layers(include_self=False):
+        if not layer.path or type(layer).quantize is keras.layers.Layer.quantize:
+            continue
+        if policy_map[layer.path].quantization_mode is not None:
+            # quantize() cannot start from a layer that holds a DTypePolicyMap ("Cannot convert
+            # 'map_bfloat16'", keras-semantics.md section 6): the layer takes its own policy first.
+            layer._dtype_policy = built_under[layer.path]
+            layer.dtype_policy = policy_map[layer.path]
+    return native
+
+
+def unquantized_map(policy_map: Any) -> Any:
+    """A Keras ``DTypePolicyMap`` with each quantized policy (the default too) replaced by its source."""
+    import keras  # noqa: PLC0415
+
+    return keras.dtype_policies.DTypePolicyMap(
+        default_policy=_unquantized(policy_map.default_policy),
+        policy_map={key: _unquantized(policy) for key, policy in policy_map.items()})
+
+
+def _unquantized(policy: Any) -> Any:
+    """A quantized Keras policy's source policy (``int8_from_bfloat16`` -> ``bfloat16``); others, as they are."""
+    import keras  # noqa: PLC0415
+
+    if getattr(policy, "quantization_mode", None) is None:
+        return policy
+    return keras.dtype_policies.get(policy.name.split("_from_", 1)[1])
 
 
 def _as_dict(to_numpy: Callable, outputs: Any) -> dict[str, np.ndarray]:

@@ -60,23 +60,29 @@ def prepare(name: str, workdir: pathlib.Path) -> tuple[pathlib.Path, dict[str, n
 def keras_error(name: str, real: Any, keras_config: dict, rows: dict[str, np.ndarray], output: str,
                 reference: np.ndarray) -> float:
     """The metric's error of Keras applying the suggested map natively (its serialized form, loaded with
-    ``keras.saving.deserialize_keras_object``), run as a graph on the held-out ``rows``."""
+    ``keras.saving.deserialize_keras_object``; ``realmodels.keras_native``: built, given each layer's
+    policy, run as a graph) on the held-out ``rows``."""
     import keras  # noqa: PLC0415
-    import tensorflow as tf  # noqa: PLC0415
+    import realmodels  # noqa: PLC0415
 
     policy_map = keras.saving.deserialize_keras_object(json.loads(json.dumps(keras_config)))
-    if real is None:
-        native = _encoder(name)
-        for layer in native._flatten_layers(include_self=False):
-            if layer.path:
-                layer.dtype_policy = policy_map[layer.path]
-        (values,) = rows.values()
-        got = tf.function(lambda x: native(x, training=False))(tf.constant(values)).numpy()
-    else:
-        import realmodels  # noqa: PLC0415
+    if real is None:  # the encoder: seeded, so a float32 build has the exported weights
+        weights = _encoder(name).get_weights()
 
-        plain = {"default_policy": policy_map.default_policy.name}
-        got = realmodels.keras_native(dataclasses.replace(real, inputs=rows), plain, policy_map=policy_map)[output]
+        def rebuild(policy: str) -> Any:
+            previous = keras.config.dtype_policy()
+            keras.config.set_dtype_policy(policy)
+            try:
+                fresh = _encoder(name)
+            finally:
+                keras.config.set_dtype_policy(previous)
+            fresh.set_weights(weights)
+            return fresh
+
+        real = realmodels.RealModel(name, pathlib.Path(), rows, [], {}, rebuild)
+        output = "output_0"
+    plain = {"default_policy": policy_map.default_policy.name}
+    got = realmodels.keras_native(dataclasses.replace(real, inputs=rows), plain, policy_map=policy_map)[output]
     return float(np.max(np.abs(np.asarray(got, np.float64) - reference)) / np.max(np.abs(reference)))
 
 

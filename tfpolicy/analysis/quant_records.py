@@ -95,6 +95,7 @@ class Int8Kernel:
     name: str
     layer: str
     reduced_axes: tuple[int, ...]
+    variable_dtype: str = "float32"  # the layer's policy's: Keras quantizes the kernel as stored in it
 
     @property
     def scale_name(self) -> str:
@@ -125,6 +126,7 @@ class Int4Kernel:
     embedding: bool
     block_size: Optional[int]  # None: per channel
     reduced_rank: int = 1  # how many leading axes are contracted (the embedding's: its rows)
+    variable_dtype: str = "float32"  # the layer's policy's: Keras quantizes the kernel as stored in it
 
     @property
     def rows(self) -> int:

@@ -97,7 +97,7 @@ def analyze(model: LoadedModel, index: LayerIndex, plan: Plan, int8_convolutions
                 (sites if isinstance(found, Site) else declined).append(found)
     sites, more_declined = _check_variables(model, index, sites)
     declined.extend(more_declined)
-    int8 = _int8_kernels(sites, index)
+    int8 = _int8_kernels(sites, index, plan)
     int4 = _int4_kernels(sites, index, plan)
     groups = _float8_groups(sites, index, plan, _storable_float8_kernels(model, index, sites))
     with_sites = {s.layer for s in sites} | {d.layer for d in declined}
@@ -319,12 +319,13 @@ def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
     return kept, declined
 
 
-def _int8_kernels(sites: list[Site], index: LayerIndex) -> dict[int, Int8Kernel]:
+def _int8_kernels(sites: list[Site], index: LayerIndex, plan: Plan) -> dict[int, Int8Kernel]:
     kernels = {}
     for site in sites:
         if site.mode == "int8" and site.variable_uid not in kernels:
             info: VariableInfo = index.variables[site.variable_uid]
-            kernels[site.variable_uid] = Int8Kernel(info.uid, info.name, site.layer, site.kernel_reduced_axes)
+            kernels[site.variable_uid] = Int8Kernel(info.uid, info.name, site.layer, site.kernel_reduced_axes,
+                                                    plan.for_layer(site.layer).variable_dtype)
     return kernels
 
 
@@ -335,7 +336,8 @@ def _int4_kernels(sites: list[Site], index: LayerIndex, plan: Plan) -> dict[int,
             info: VariableInfo = index.variables[site.variable_uid]
             kernels[site.variable_uid] = Int4Kernel(
                 info.uid, info.name, site.layer, tuple(int(d) for d in info.shape), site.contraction.kind == "gather",
-                plan.for_layer(site.layer).block_size, 1 if site.contraction.kind == "gather" else len(site.kernel_reduced_axes))
+                plan.for_layer(site.layer).block_size, 1 if site.contraction.kind == "gather" else len(site.kernel_reduced_axes),
+                plan.for_layer(site.layer).variable_dtype)
     return kernels
 
 

@@ -67,7 +67,7 @@ def build_variables(
         onednn = lowering is not None and lowering.int8_matmul == "onednn" and kernel.uid in integer
         in_order = all(not s.integer.kernel_layout and not s.integer.transpose_kernel
                        for s in qplan.sites if s.variable_uid == kernel.uid and s.integer is not None)
-        values = LazyValues(_kept(derived, ("int8", kernel.uid, kernel.reduced_axes, onednn, in_order),
+        values = LazyValues(_kept(derived, ("int8", kernel, onednn, in_order),
                                   functools.partial(_int8_values, read_value, kernel, onednn, in_order)))
         kept = [d for axis, d in enumerate(shape) if axis not in kernel.reduced_axes]
         variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid,
@@ -119,8 +119,13 @@ def _int8_values(read_value, kernel, onednn: bool = False, in_order: bool = True
     """``(int8 kernel, scale, float chunks)``: Keras's ``abs_max_quantize`` and :func:`float_exact_chunks`;
     for the oneDNN lowering ``(int8 kernel, scale, u8 correction, u8 chunks)``: ``-128 x`` the kernel's
     channel sums and :func:`u8_exact_chunks`."""
-    q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(read_value(kernel.uid), axis=kernel.reduced_axes))
-    scale = np.squeeze(scale, axis=kernel.reduced_axes)
+    # As Keras's ``quantize("int8")`` calls it: on the kernel as the layer stores it (a bfloat16
+    # policy's kernel is bfloat16), in numpy arithmetic of that dtype. The scale is stored in float32,
+    # which holds a bfloat16 or float16 scale exactly.
+    stored = tf.cast(read_value(kernel.uid), kernel.variable_dtype)
+    q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(stored, axis=kernel.reduced_axes,
+                                                                          to_numpy=True))
+    scale = np.squeeze(scale, axis=kernel.reduced_axes).astype(np.float32)
     if not onednn:
         return q, scale, np.int32(float_exact_chunks(q, kernel.reduced_axes, in_order))
     correction = np.int32(-U8_SHIFT) * q.astype(np.int32).sum(axis=kernel.reduced_axes, dtype=np.int32)
@@ -273,9 +278,11 @@ def int4_values(value: np.ndarray, kernel: Int4Kernel) -> tuple[np.ndarray, np.n
     A matmul kernel is flattened to ``(rows, columns)`` and quantized per column
     (``abs_max_quantize`` over axis 0) or per block of rows with a zero point, as
     Dense and EinsumDense do; an embedding table per row or per block of
-    columns, as Embedding does. Values are packed along the last axis.
+    columns, as Embedding does. Values are packed along the last axis. As
+    Keras quantizes it: the kernel as the layer stores it (in the policy's
+    variable dtype), in numpy arithmetic of that dtype.
     """
-    flat = np.asarray(value, np.float32).reshape(kernel.rows, kernel.columns)
+    flat = np.asarray(tf.cast(value, kernel.variable_dtype)).reshape(kernel.rows, kernel.columns)
     zero = None
     if kernel.embedding and kernel.block_size is None:
         q, scale = keras.quantizers.abs_max_quantize(flat, axis=-1, value_range=INT4_RANGE, to_numpy=True)
