@@ -77,7 +77,7 @@ def test_a_graph_def_becomes_a_function_called_by_keyword():
     positional_graph.inputs.append(positional_graph.get_tensor_by_name("x:0"))
     positional_graph.structured_outputs = {"y": positional_graph.get_tensor_by_name("y:0")}
     positional_graph.outputs.append(positional_graph.structured_outputs["y"])
-    positional = tf_internals.concrete_function(positional_graph, list(positional_graph.inputs))
+    positional = tf_internals.concrete_function(positional_graph, list(positional_graph.inputs), positional=True)
     np.testing.assert_array_equal(positional(tf.ones((1, 2)))["y"].numpy(), [[2.0, 2.0]])
 
 

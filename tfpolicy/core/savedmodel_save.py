@@ -209,7 +209,7 @@ def rebuild_function(
     fn_graph.outputs.extend(tf.nest.flatten(fn_graph.structured_outputs, expand_composites=True))
     if not positional:
         fn_graph.structured_input_signature = original.structured_input_signature
-    return tf_internals.concrete_function(fn_graph, feed_tensors, xla_compile)
+    return tf_internals.concrete_function(fn_graph, feed_tensors, xla_compile, positional)
 
 
 def save_atomically(

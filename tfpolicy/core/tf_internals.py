@@ -128,7 +128,7 @@ XLA_MUST_COMPILE = "_XlaMustCompile"
 such a function as one XLA computation."""
 
 
-def concrete_function(graph: Any, inputs: Sequence[Any], xla_compile: bool = False) -> Any:
+def concrete_function(graph: Any, inputs: Sequence[Any], xla_compile: bool = False, positional: bool = False) -> Any:
     """A ConcreteFunction over a finished ``FuncGraph``, callable with ``inputs`` by keyword.
 
     ``WrappedFunction`` is what ``tf.compat.v1.wrap_function`` returns; built
@@ -136,11 +136,17 @@ def concrete_function(graph: Any, inputs: Sequence[Any], xla_compile: bool = Fal
     argument attributes are what ``WrappedFunction.prune`` sets. With
     ``xla_compile`` its FunctionDef carries ``_XlaMustCompile``, as
     ``jit_compile=True`` would set: a function from a graph has no public way to get it.
+    ``positional``: called with the input tensors in order, straight to the
+    flat call (no argument keywords: binding hundreds of positional tensors to
+    a structured signature first fails, and its error message prints every one).
     """
     attrs = {XLA_MUST_COMPILE: True} if xla_compile else None
-    function = wrap_function.WrappedFunction(graph, variable_holder=wrap_function.VariableHolder(), attrs=attrs)
+    # A signature makes the flat call take its arguments as a list (without one it adds a tuple to a list).
+    signature = [tf.TensorSpec(t.shape, t.dtype) for t in inputs] if positional else None
+    function = wrap_function.WrappedFunction(graph, variable_holder=wrap_function.VariableHolder(), attrs=attrs,
+                                             signature=signature)
     function._num_positional_args = len(inputs)  # noqa: SLF001
-    function._arg_keywords = [tensor.op.name for tensor in inputs]  # noqa: SLF001
+    function._arg_keywords = None if positional else [tensor.op.name for tensor in inputs]  # noqa: SLF001
     return function
 
 

@@ -53,7 +53,6 @@ DEFAULT_CANDIDATES = {
 BATCH = 16
 SENSITIVITY_ROWS = 4  # the per-layer comparison runs the model three times: a few rows tell each layer's error
 TIMING_ROWS = 8  # latency is measured at this batch (or the data's, if smaller)
-TIMING_RUNS = 3  # the fastest of this many calls
 MARGIN = 0.9  # the search aims below the budget: predictions are estimates
 
 
@@ -171,7 +170,7 @@ def suggest(
         seconds: list[float] = []
         if search_outputs is not None:
             search_outputs.extend(model.outputs(search_rows, name, seconds))
-        latency = min(seconds[:1] + [model.latency(timing_batch, runs=TIMING_RUNS - len(seconds[:1]))])
+        latency = model.latency(timing_batch, seconds[:1])
         entry = Tried(label, plain, error, latency, model.variable_bytes, error <= max_error)
         tried.append(entry)
         return entry

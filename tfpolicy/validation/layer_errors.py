@@ -21,6 +21,7 @@ float model's. Nothing here mutates a graph it did not load itself.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -156,10 +157,11 @@ class Reference:
     several rewrites with one input (``tfpolicy suggest``) runs the float model once.
     """
 
-    def __init__(self, program: SignatureProgram, index: layer_index.LayerIndex) -> None:
+    def __init__(self, program: SignatureProgram, index: layer_index.LayerIndex, optimized: bool = True) -> None:
         self.program = program
         self.index = index
         self.outputs = layer_outputs(program, index)  # tensor -> its layer
+        self.optimized = optimized  # the comparison's functions run through grappler, as served (see optimizations)
         self._function: Any = None
         self._values: dict[bytes, dict[TensorRef, np.ndarray]] = {}
 
@@ -169,7 +171,8 @@ class Reference:
         if key not in self._values:
             if self._function is None:
                 self._function = _function(self.program, {_fetch_key(i): ref for i, ref in enumerate(self.outputs)}, [])
-            values = _numpy(self._function(*args))
+            with optimizations(self.optimized):
+                values = _numpy(self._function(*args))
             self._values[key] = {ref: values[_fetch_key(i)] for i, ref in enumerate(self.outputs)}
         return self._values[key]
 
@@ -221,9 +224,10 @@ def compare_programs(
         args = [tf.constant(batch[name]) for name in names]
         every = reference.values(args)
         ref_values = [every[c.float_ref] for c in compared]
-        cumulative_values = _numpy(cumulative_fn(*args)) if cumulative_fn is not None else None
         fed = [tf.cast(tf.constant(value), dtype) for value, dtype in zip(ref_values, feed_dtypes)]
-        local_values = _numpy(local_fn(*args, *fed))
+        with optimizations(reference.optimized):
+            cumulative_values = _numpy(cumulative_fn(*args)) if cumulative_fn is not None else None
+            local_values = _numpy(local_fn(*args, *fed))
         for i in range(len(compared)):
             fetched = _fetch_key(i)
             local[i].add(ref_values[i], local_values[fetched])
@@ -231,6 +235,27 @@ def compare_programs(
                 accumulated[i].add(ref_values[i], cumulative_values[fetched])
             shapes[i] = tuple(int(n) for n in np.shape(ref_values[i]))
     return _per_layer(compared, local, accumulated, shapes)
+
+
+@contextlib.contextmanager
+def optimizations(enabled: bool):
+    """Grappler on (TensorFlow's default) or off for the functions first called inside.
+
+    A comparison's functions fetch every layer output and are called once
+    per batch: grappler's pass over such a graph at the first call costs
+    more than the run. ``tfpolicy suggest`` (its per-layer errors are
+    estimates that share out a measured error) turns it off; ``--validate``
+    keeps it, so its numbers are those of the graph as served (grappler's
+    fusions can round a bfloat16 layer differently).
+    """
+    if enabled:
+        yield
+        return
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    try:
+        yield
+    finally:
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
 
 
 def _fingerprint(value: tf.Tensor) -> bytes:
