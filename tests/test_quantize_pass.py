@@ -64,7 +64,7 @@ def _rewrite(mode: str, policy: str, block_size=None, lowering: Lowering = INTEG
     site = quant_sites._match("sig", graph, graph.nodes["dense/MatMul"], "dense", mode, index, block_size=block_size)
     assert isinstance(site, quant_sites.Site), site
     sites = [site]
-    qplan = quant_sites.QuantPlan(tuple(sites), (), quant_sites._int8_kernels(sites, index),
+    qplan = quant_sites.QuantPlan(tuple(sites), (), quant_sites._int8_kernels(sites, index, plan),
                                   quant_sites._float8_groups(sites, index, plan), (),
                                   quant_sites._int4_kernels(sites, index, plan))
     variables = build_variables(qplan, lambda uid: KERNEL, lambda uid: KERNEL.shape, lowering)
