@@ -470,25 +470,18 @@ def keras_native(model: RealModel, plain: dict, scales: Optional[dict[str, float
     """
     import keras  # noqa: PLC0415
 
-    if policy_map is None:
+    if policy_map is not None:
+        native = keras_applied(model.rebuild, policy_map)
+    else:
         # Built under the map's default policy, as a model built with ``dtype=pm``
         # is: layers without a path (Dropout, Activation, Softmax) take the
         # default, and the float32 pins of keras_hub's code stay; then every
         # layer with a path gets ``pm[layer.path]`` (the setter quantizes).
-        pm = keras_map(plain, model)
         native = model.rebuild(plain["default_policy"])
-        layers = [layer for layer in native._flatten_layers(include_self=False) if layer.path]
-    else:
-        pm = policy_map
-        native = keras_applied(model.rebuild, pm)
-        layers = []
-    for layer in layers:
-        policy = pm[layer.path]
-        if type(layer).quantize is keras.layers.Layer.quantize:
-            # Keras cannot quantize it (LayerNormalization, Conv2D, Add: no quantize()):
-            # it computes in the source policy, as it would built under the quantized one.
-            policy = _unquantized(policy)
-        layer.dtype_policy = policy
+        pm = keras_map(plain, model)
+        for layer in native._flatten_layers(include_self=False):
+            if layer.path:
+                layer.dtype_policy = pm[layer.path]
     if scales:
         for variable in native.variables:
             if variable.path in scales:

@@ -201,7 +201,7 @@ def suggest(
         if key in seen:
             break
         seen.add(key)
-        say(f"verifying suggestion {round_number}: {len(plain['policy_map'])} key(s) over default {default}")
+        say(f"verifying suggestion {round_number}: {len(plain.get('policy_map', {}))} key(s) over default {default}")
         error = measured(f"suggestion {round_number}", plain,
                          Model.in_memory(_rewrite(input_path, source, plain, target, search_rows))).error
         if error <= max_error:
@@ -281,9 +281,10 @@ def _applied_map(assignment: dict[str, str], default: str, all_paths: list[str],
     """The plain map of ``assignment`` over ``default`` as the rewrite applies it.
 
     A quantized policy on a layer the rewrite leaves unquantized under it
-    (``left``) is written as its source policy, which is what that layer
-    runs in: the map then means the same to Keras, which would quantize a
-    convolution the rewrite (without ``--int8_convolutions``) does not.
+    (``left``: a convolution without ``--int8_convolutions``) is written as
+    its source policy, which is what that layer runs in: the map means what
+    was measured under either setting of that flag, and to Keras (which
+    cannot quantize a convolution: its setter raises).
     """
     full = {path: assignment.get(path, default) for path in all_paths}
     full = {path: _source(policy) if path in left.get(policy, ()) else policy for path, policy in full.items()}
