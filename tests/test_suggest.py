@@ -118,21 +118,9 @@ def held_out_error(model_dir, other_dir, data) -> float:
 def keras_applied(build, policy_map):
     """The model ``build`` makes, with ``policy_map`` applied by Keras to its float weights
     (``tools/realmodels.py``'s ``keras_applied``)."""
-    import keras  # noqa: PLC0415
     import realmodels  # noqa: PLC0415
 
-    weights = build().get_weights()
-
-    def rebuild(policy):
-        keras.config.set_dtype_policy(policy)
-        try:
-            model = build()
-        finally:
-            keras.config.set_dtype_policy("float32")
-        model.set_weights(weights)
-        return model
-
-    return realmodels.keras_applied(rebuild, policy_map)
+    return realmodels.keras_applied(realmodels.rebuilder(build), policy_map)
 
 
 @pytest.fixture(scope="session")

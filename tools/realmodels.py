@@ -531,6 +531,26 @@ def keras_applied(rebuild: Callable[[Any], Any], policy_map: Any) -> Any:
     return native
 
 
+def rebuilder(build: Callable[[], Any]) -> Callable[[Any], Any]:
+    """``rebuild(policy)`` for :func:`keras_applied`: ``build()`` under a global policy (a name or a
+    ``DTypePolicyMap``), given the float weights of one ``build()`` in float32 (``build`` seeded)."""
+    import keras  # noqa: PLC0415
+
+    weights = build().get_weights()
+
+    def rebuild(policy: Any) -> Any:
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(policy)
+        try:
+            fresh = build()
+        finally:
+            keras.config.set_dtype_policy(previous)
+        fresh.set_weights(weights)
+        return fresh
+
+    return rebuild
+
+
 def unquantized_map(policy_map: Any) -> Any:
     """A Keras ``DTypePolicyMap`` with each quantized policy (the default too) replaced by its source."""
     import keras  # noqa: PLC0415

@@ -69,19 +69,7 @@ def keras_error(name: str, real: Any, keras_config: dict, rows: dict[str, np.nda
 
     policy_map = keras.saving.deserialize_keras_object(json.loads(json.dumps(keras_config)))
     if real is None:  # the encoder: seeded, so a float32 build has the exported weights
-        weights = _encoder(name).get_weights()
-
-        def rebuild(policy: str) -> Any:
-            previous = keras.config.dtype_policy()
-            keras.config.set_dtype_policy(policy)
-            try:
-                fresh = _encoder(name)
-            finally:
-                keras.config.set_dtype_policy(previous)
-            fresh.set_weights(weights)
-            return fresh
-
-        real = realmodels.RealModel(name, pathlib.Path(), rows, [], {}, rebuild)
+        real = realmodels.RealModel(name, pathlib.Path(), rows, [], {}, realmodels.rebuilder(lambda: _encoder(name)))
         output = "output_0"
     float32 = keras.dtype_policies.DTypePolicyMap(default_policy="float32")
     got, reference = (

@@ -251,11 +251,12 @@ def optimizations(enabled: bool):
     if enabled:
         yield
         return
+    before = tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     try:
         yield
     finally:
-        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": before})
 
 
 def _fingerprint(value: tf.Tensor) -> bytes:
