@@ -53,7 +53,8 @@ def test_choose(target, machine, form, xla):
 
 def test_choose_says_why_cpu_falls_back():
     assert "saturate" in choose("cpu", Machine(True, True, AVX2)).note
-    assert "TF_ENABLE_ONEDNN_OPTS=0" in choose("cpu", Machine(True, False, VNNI)).note
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in choose("cpu", Machine(True, False, VNNI, onednn_setting="0")).note
+    assert "leaves oneDNN off on this CPU" in choose("cpu", Machine(True, False, AVX2)).note  # TensorFlow's default
     assert "ONEDNN_MAX_CPU_ISA=AVX2" in choose("cpu", Machine(True, True, VNNI, isa_limit="AVX2")).note
 
 
@@ -86,9 +87,9 @@ def _run_elsewhere(output, x_path, out_path, **env) -> subprocess.CompletedProce
 def test_default_output_computes_the_same_without_onednn(mlp):
     """The default lowering (float32 matmuls of int8 values) needs no oneDNN kernel and gives the same bits."""
     tfpolicy.rewrite(mlp / "in", mlp / "default", {"default_policy": "int8_from_float32"})
-    with_onednn = _run_elsewhere(mlp / "default", mlp / "x.npy", mlp / "with.npy")
+    with_onednn = _run_elsewhere(mlp / "default", mlp / "x.npy", mlp / "with.npy", TF_ENABLE_ONEDNN_OPTS="1")
     without = _run_elsewhere(mlp / "default", mlp / "x.npy", mlp / "without.npy", TF_ENABLE_ONEDNN_OPTS="0")
-    assert with_onednn.returncode == 0 and without.returncode == 0, without.stderr[-2000:]
+    assert with_onednn.returncode == 0 and without.returncode == 0, (with_onednn.stderr[-2000:], without.stderr[-2000:])
     np.testing.assert_array_equal(np.load(mlp / "with.npy"), np.load(mlp / "without.npy"))
 
 

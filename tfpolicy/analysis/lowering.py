@@ -67,6 +67,7 @@ class Machine:
     onednn: bool
     flags: frozenset[str]
     isa_limit: str = ""  # ONEDNN_MAX_CPU_ISA, which caps the instructions oneDNN uses
+    onednn_setting: str = ""  # TF_ENABLE_ONEDNN_OPTS as set ("" unset: TensorFlow decides by the CPU)
 
     @property
     def exact_int8_dot(self) -> tuple[str, ...]:
@@ -95,7 +96,8 @@ def this_machine() -> Machine:
         pass
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
     isa_limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    return Machine(x86=x86, onednn=tf_internals.onednn_enabled(), flags=flags, isa_limit=isa_limit)
+    return Machine(x86=x86, onednn=tf_internals.onednn_enabled(), flags=flags, isa_limit=isa_limit,
+                   onednn_setting=os.environ.get("TF_ENABLE_ONEDNN_OPTS", ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +157,12 @@ def choose(target: Optional[str], machine: Optional[Machine] = None) -> Lowering
     machine = machine or this_machine()
     if not machine.x86:
         why = "this is not an x86 CPU, where oneDNN's quantized matmul runs"
+    elif not machine.onednn and machine.onednn_setting:
+        why = f"oneDNN is off (TF_ENABLE_ONEDNN_OPTS={machine.onednn_setting}), and its quantized matmul needs it"
     elif not machine.onednn:
-        why = "oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0), and its quantized matmul needs it"
+        # TensorFlow's own default: oneDNN on only for CPUs with AVX512-VNNI, AVX512-BF16, AVX-VNNI or AMX.
+        why = ("TensorFlow leaves oneDNN off on this CPU (its default where the CPU has no VNNI, AVX512-BF16"
+               " or AMX), and its quantized matmul needs it")
     elif not machine.exact_int8_dot:
         limit = f"ONEDNN_MAX_CPU_ISA={machine.isa_limit} keeps oneDNN off" if machine.isa_limit else "this CPU has no"
         why = (f"{limit} AVX512-VNNI, AVX-VNNI or AMX-INT8, without which oneDNN's 8-bit multiply-adds"
