@@ -19,6 +19,7 @@ import tensorflow as tf
 import keras
 import tfpolicy
 from cli_helpers import REPO_ROOT, describe, run_cli
+from tfpolicy.analysis import lowering
 from tfpolicy.analysis.lowering import Machine, choose, this_machine
 from tfpolicy.core import savedmodel_io
 from tfpolicy.core.tf_names import type_attr
@@ -125,6 +126,26 @@ def test_target_cpu_output_uses_onednn_says_so_and_is_allowed_not_to_compile(mlp
     correction = {v.name.split(":")[0]: v for v in loaded.tfpolicy.variables}["d1/kernel_u8_correction"].numpy()
     kernel = {v.name.split(":")[0]: v for v in loaded.tfpolicy_variables}["d1/kernel"].numpy()
     np.testing.assert_array_equal(correction, -128 * kernel.astype(np.int32).sum(axis=0))
+
+
+@pytest.mark.skipif(not this_machine().x86, reason="oneDNN's quantized matmul is an x86 kernel")
+def test_target_cpu_output_refuses_to_serve_where_onednns_int8_dot_saturates(mlp, tmp_path, monkeypatch):
+    """Written for a VNNI CPU, served where oneDNN adds 8-bit products into 16 bits: a clear failure, not other numbers.
+
+    oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``, what an AVX2-only CPU
+    runs) saturates; the output's guard probes the worst case and stops.
+    """
+    monkeypatch.setattr(lowering, "this_machine", lambda: Machine(True, True, VNNI))  # the machine it was written on
+    tfpolicy.rewrite(mlp / "in", tmp_path / "out", {"default_policy": "int8_from_float32"}, target="cpu",
+                     serving_checks=False)
+    nodes = savedmodel_io.read_meta_graph(tmp_path / "out").graph_def
+    ops = [n.op for f in nodes.library.function for n in f.node_def]
+    assert "QuantizedMatMulWithBias" in ops and "Assert" in ops
+    served = _run_elsewhere(tmp_path / "out", mlp / "x.npy", tmp_path / "y.npy",
+                            TF_ENABLE_ONEDNN_OPTS="1", ONEDNN_MAX_CPU_ISA="AVX2")
+    assert served.returncode != 0, describe(served)
+    assert "on this CPU it saturates at 16 bits" in served.stderr, served.stderr[-3000:]
+    assert not (tmp_path / "y.npy").exists()
 
 
 def test_this_machine_reads_the_cpu_flags():

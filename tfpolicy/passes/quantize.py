@@ -55,11 +55,13 @@ from tfpolicy.analysis.lowering import choose as choose_lowering
 from tfpolicy.analysis.quant_records import IntegerMatmul
 from tfpolicy.analysis.quant_sites import READ_THROUGH, Float8Group, Int8Kernel, QuantPlan, Site
 from tfpolicy.core.graph import Graph, Node
-from tfpolicy.core.tf_names import DT_BFLOAT16, DT_FLOAT, DT_QINT8, DT_QINT32, DT_QUINT8, DT_UINT8, TensorRef
+from tfpolicy.core.tf_names import DT_BFLOAT16, DT_FLOAT, DT_QINT8, DT_QINT32, DT_QUINT8, DT_STRING, DT_UINT8
+from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import string_attr as _str
 from tfpolicy.core.tf_names import type_attr as _type
+from tfpolicy.core.tf_names import type_list_attr as _types
 from tfpolicy.passes import PassResult
 from tfpolicy.passes.float8_rounding import clip_and_round_to_float8
 from tfpolicy.passes.function_args import FunctionArgs
@@ -150,6 +152,7 @@ class QuantizePass(Int4Rewrites):
         self._token_forms: dict[tuple[str, str], TensorRef] = {}  # (integer values, form) -> int8/float32/quint8
         self._int8_consumers: set[str] = set()  # nodes that read an int8 (or packed int4) kernel as such
         self._unpacked: dict[str, TensorRef] = {}  # int4 kernel read -> its int8 values
+        self._int8_dot_guard: Optional[str] = None  # the Assert that oneDNN's int8 dot is exact here (onednn form)
 
     def run(self) -> PassResult[QuantizeResult]:
         """Rewrite every site of this graph; ``stats`` is the :class:`QuantizeResult`."""
@@ -332,8 +335,9 @@ class QuantizePass(Int4Rewrites):
         total = self.op("AddN", f"{base}/sum", sums, N=_int(len(sums)), T=_type(INT32))
         return restore(self.op("AddV2", f"{base}/corrected", [total, correction], T=_type(INT32)))
 
-    def _onednn_matmul(self, rows: TensorRef, kernel: TensorRef, bias: TensorRef, transpose: bool, name: str) -> TensorRef:
-        """``rows (quint8) . kernel (int8) + bias (int32)`` in int32, by oneDNN."""
+    def _onednn_matmul(self, rows: TensorRef, kernel: TensorRef, bias: TensorRef, transpose: bool, name: str,
+                       guarded: bool = True) -> TensorRef:
+        """``rows (quint8) . kernel (int8) + bias (int32)`` in int32, by oneDNN; after :meth:`_int8_dot_guard`."""
         weights = self.op("Bitcast", f"{name}/kernel_qint8", [kernel], T=_type(INT8), type=_type(DT_QINT8))
         bias = self.op("Bitcast", f"{name}/bias_qint32", [bias], T=_type(INT32), type=_type(DT_QINT32))
         bounds = [self.const(f"{name}/{n}", v, DT_FLOAT) for n, v in
@@ -341,7 +345,41 @@ class QuantizePass(Int4Rewrites):
         product = self.op("QuantizedMatMulWithBias", name, [rows, weights, bias, *bounds],
                           T1=_type(DT_QUINT8), T2=_type(DT_QINT8), Tbias=_type(DT_QINT32), Toutput=_type(DT_QINT32),
                           transpose_a=_bool(False), transpose_b=_bool(transpose), input_quant_mode=_str("MIN_FIRST"))
+        if guarded:
+            self.graph.nodes[product.node].inputs.append(f"^{self._int8_dot_guard_node()}")
         return self.op("Bitcast", f"{name}_int32", [product], T=_type(DT_QINT32), type=_type(INT32))
+
+    def _int8_dot_guard_node(self) -> str:
+        """An Assert, run before this graph's oneDNN int8 matmuls, that they do not saturate on this CPU.
+
+        On a CPU without AVX512-VNNI, AVX-VNNI or AMX-INT8 oneDNN adds pairs of
+        8-bit products into saturating 16-bit sums, and a ``--target cpu``
+        output would silently compute other numbers than Keras's. The probe is
+        the worst case (every input 255, every weight 127, 64 long): exact,
+        it is ``64 * 255 * 127``; saturated, ``32 * 32767``. One tiny matmul
+        per call; the output then fails with a message saying why instead.
+        """
+        if self._int8_dot_guard is None:
+            base = "tfpolicy/int8_dot_guard"
+            depth, width = 64, 8
+            rows = self.op("Bitcast", f"{base}/rows", [self.const(f"{base}/rows_uint8", np.full((8, depth), 255, np.uint8),
+                                                                  DT_UINT8)], T=_type(DT_UINT8), type=_type(DT_QUINT8))
+            kernel = self.const(f"{base}/kernel", np.full((depth, width), INT8_RANGE, np.int8), INT8)
+            sums = self._onednn_matmul(rows, kernel, self.const(f"{base}/bias", np.zeros(width, np.int32), INT32),
+                                       False, f"{base}/matmul", guarded=False)
+            exact = self.op("Equal", f"{base}/exact", [sums, self.const(f"{base}/expected", depth * 255 * 127, INT32)],
+                            T=_type(INT32), incompatible_shape_error=_bool(True))
+            every = self.op("All", f"{base}/all_exact", [exact, self.const(f"{base}/axes", [0, 1], INT32)],
+                            Tidx=_type(INT32), keep_dims=_bool(False))
+            message = self.const(f"{base}/message", np.array(
+                "tfpolicy: this output was written with --target cpu for CPUs whose oneDNN int8 matmul is exact"
+                " (AVX512-VNNI, AVX-VNNI or AMX-INT8); on this CPU it saturates at 16 bits and would change the"
+                " model's numbers: serve it on such a CPU, or rewrite the model without --target cpu", dtype=object),
+                DT_STRING)
+            assert_node = self.graph.add_node("Assert", f"{base}/assert", [str(every), str(message)],
+                                              {"T": _types([DT_STRING]), "summarize": _int(1)})
+            self._int8_dot_guard = assert_node.name
+        return self._int8_dot_guard
 
     def _as_rows(self, x: TensorRef, contracted: int, free: int, dtype: int, base: str):
         """``x`` as a matrix of rows ``(-1, contracted)``, and how to give a product its leading axes back."""
