@@ -62,7 +62,8 @@ flags.DEFINE_float("max_error", None, "With --validate: exit 1 when an output's 
 flags.DEFINE_string("report_html", None, "With --validate: also write an HTML page with the per-layer error chart.")
 flags.DEFINE_enum("target", None, ["gpu", "tpu", "cpu"], "Serving target; picks the fastest exact form of the"
                   " int8/float8 layers for it. cpu: oneDNN's int8 kernel (x86 with oneDNN; exact on CPUs with"
-                  " AVX512-VNNI, AVX-VNNI or AMX), the output then runs only on such CPUs. gpu/tpu: signatures with"
+                  " AVX512-VNNI, AVX-VNNI or AMX), the output then runs only on such CPUs (elsewhere it stops with"
+                  " a message). gpu/tpu: signatures with"
                   " quantized layers marked for XLA compilation (s8 and FP8 GEMMs); gpu also checks every op left"
                   " outside XLA has a GPU kernel; tpu refuses float16/float8 and requires every signature to"
                   " compile. Without it the output runs everywhere.")

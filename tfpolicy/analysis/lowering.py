@@ -39,6 +39,9 @@ All three give the same int32 sums, so the output equals Keras's bit for bit:
   needs oneDNN at serving time, which the rewrite says: served with
   ``TF_ENABLE_ONEDNN_OPTS=0``, its first int8 matmul fails ("Missing 0-th
   output"), as TensorFlow registers only a placeholder kernel for it then.
+  Served on a CPU whose oneDNN saturates, a guard in front of the matmuls (a
+  worst-case probe, ``QuantizePass._int8_dot_guard_node``) fails the call with
+  a message saying why, instead of returning other numbers than Keras's.
 """
 
 from __future__ import annotations
