@@ -108,8 +108,12 @@ def test_int8_site_in_the_onednn_form_adds_the_shift_correction():
     graph, _, variables, quantize = _rewrite("int8", "int8_from_float32", lowering=Lowering("cpu", "onednn", False, "-"))
     result = quantize.run()
     assert result.modified and graph.verify() == []
-    (matmul,) = [n for n in graph.nodes.values() if n.op == "QuantizedMatMulWithBias"]
+    matmuls = [n for n in graph.nodes.values() if n.op == "QuantizedMatMulWithBias"]
+    (matmul,) = [n for n in matmuls if "int8_dot_guard" not in n.name]
     assert matmul.attrs["T1"].type == tf.quint8.as_datatype_enum and matmul.attrs["Tbias"].type == tf.qint32.as_datatype_enum
+    # ... after the guard, whose probe (the other matmul) must be exact on the serving CPU
+    (guard,) = [n for n in graph.nodes.values() if n.op == "Assert"]
+    assert f"^{guard.name}" in matmul.inputs and len(matmuls) == 2
     correction, q = variables["dense/kernel_u8_correction"].value, variables["dense/kernel"].value
     np.testing.assert_array_equal(correction, -128 * q.astype(np.int32).sum(axis=0))
     assert "tfpolicy/dense/kernel_u8_correction" in result.stats.new_captures
