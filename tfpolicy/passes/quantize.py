@@ -337,7 +337,7 @@ class QuantizePass(Int4Rewrites):
 
     def _onednn_matmul(self, rows: TensorRef, kernel: TensorRef, bias: TensorRef, transpose: bool, name: str,
                        guarded: bool = True) -> TensorRef:
-        """``rows (quint8) . kernel (int8) + bias (int32)`` in int32, by oneDNN; after :meth:`_int8_dot_guard`."""
+        """``rows (quint8) . kernel (int8) + bias (int32)`` in int32, by oneDNN; after :meth:`_int8_dot_guard_node`."""
         weights = self.op("Bitcast", f"{name}/kernel_qint8", [kernel], T=_type(INT8), type=_type(DT_QINT8))
         bias = self.op("Bitcast", f"{name}/bias_qint32", [bias], T=_type(INT32), type=_type(DT_QINT32))
         bounds = [self.const(f"{name}/{n}", v, DT_FLOAT) for n, v in
