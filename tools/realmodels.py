@@ -227,19 +227,7 @@ def _keras3(name: str, directory: pathlib.Path) -> RealModel:
         inputs = {"inputs": _images(rng, BATCH)}
         calibration = [{"inputs": _images(rng, BATCH)} for _ in range(CALIBRATION_BATCHES)]
     model.export(str(directory), verbose=False)
-    weights = [np.array(w) for w in model.get_weights()]
-
-    def rebuild(policy: Any = "float32") -> Any:  # a policy's name, or a DTypePolicyMap
-        previous = keras.config.dtype_policy()
-        _fresh_names(keras)  # before the policy: it resets the global policy too
-        keras.config.set_dtype_policy(policy)
-        try:
-            fresh = build()
-        finally:
-            keras.config.set_dtype_policy(previous)
-        fresh.set_weights(weights)
-        return fresh
-
+    rebuild = rebuilder(build, [np.array(w) for w in model.get_weights()], fresh_names=True)
     inputs = _signature_names(directory, inputs)
     calibration = [_signature_names(directory, batch) for batch in calibration]
     sublayers = [layer for layer in model._flatten_layers(include_self=False) if layer.path]
@@ -531,15 +519,19 @@ def keras_applied(rebuild: Callable[[Any], Any], policy_map: Any) -> Any:
     return native
 
 
-def rebuilder(build: Callable[[], Any]) -> Callable[[Any], Any]:
+def rebuilder(build: Callable[[], Any], weights: Optional[list] = None,
+              fresh_names: bool = False) -> Callable[[Any], Any]:
     """``rebuild(policy)`` for :func:`keras_applied`: ``build()`` under a global policy (a name or a
-    ``DTypePolicyMap``), given the float weights of one ``build()`` in float32 (``build`` seeded)."""
+    ``DTypePolicyMap``), given ``weights`` (default: those of one ``build()`` in float32, ``build``
+    seeded). ``fresh_names``: Keras's layer names restarted first, so that they match the export's."""
     import keras  # noqa: PLC0415
 
-    weights = build().get_weights()
+    weights = build().get_weights() if weights is None else weights
 
-    def rebuild(policy: Any) -> Any:
+    def rebuild(policy: Any = "float32") -> Any:
         previous = keras.config.dtype_policy()
+        if fresh_names:
+            _fresh_names(keras)  # before the policy: it resets the global policy too
         keras.config.set_dtype_policy(policy)
         try:
             fresh = build()
