@@ -113,14 +113,14 @@ def test_every_int8_site_multiplies_the_int8_kernel_itself(cases, name, target):
     nodes = _graph_nodes(case)
     by_name = {n.name: n for n in nodes}
     form = lowering.choose(target).int8_matmul
-    contractions = [n for n in nodes if n.op in MATMUL_OPS | {"QuantizedMatMulWithBias"}]
+    contractions = [n for n in nodes if n.op in MATMUL_OPS | {lowering.ONEDNN_INT8_MATMUL}]
     assert contractions
     for node in contractions:
         if form == "integer":  # int8 x int8 -> int32
             assert node.op == "BatchMatMulV3", node
             assert (node.attr["Ta"].type, node.attr["Tb"].type, node.attr["Tout"].type) == (I8, I8, I32)
         elif form == "onednn":
-            assert node.op == "QuantizedMatMulWithBias", node
+            assert node.op == lowering.ONEDNN_INT8_MATMUL, node
         else:  # float32 MatMul of integer values: the kernel operand is the int8 kernel cast, not divided by a scale
             assert node.op == "MatMul" and node.attr["T"].type == F32, node
             kernel = by_name[node.input[1].split(":")[0].lstrip("^")]
@@ -226,5 +226,5 @@ def test_onednn_form_stays_exact_where_its_sums_pass_two_to_the_24(tmp_path):
     (y_tool,) = function(tf.constant(x)).values()
     np.testing.assert_array_equal(y_tool.numpy(), y_keras)
     nodes = [n for f in function.graph.as_graph_def().library.function for n in f.node_def]
-    matmuls = [n.name for n in nodes if n.op == "QuantizedMatMulWithBias"]
+    matmuls = [n.name for n in nodes if n.op == lowering.ONEDNN_INT8_MATMUL]
     assert len([n for n in matmuls if "int8_dot_guard" not in n]) == 2, matmuls  # two chunks, after the guard's probe

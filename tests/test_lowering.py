@@ -32,18 +32,18 @@ AVX2 = frozenset({"avx2", "fma"})
 
 
 @pytest.mark.parametrize(("target", "machine", "form", "xla"), [
-    (None, Machine(True, True, VNNI), "float", False),
-    ("gpu", Machine(True, True, VNNI), "integer", True),
-    ("tpu", Machine(False, False, frozenset()), "integer", True),
-    ("cpu", Machine(True, True, VNNI), "onednn", False),
-    ("cpu", Machine(True, True, frozenset({"amx_int8", "avx2"})), "onednn", False),
-    ("cpu", Machine(True, True, frozenset({"avx_vnni", "avx2"})), "onednn", False),
-    ("cpu", Machine(True, True, AVX2), "float", False),  # vpmaddubsw saturates: not exact
-    ("cpu", Machine(True, True, frozenset({"avx512f", "avx512bw"})), "float", False),  # AVX-512 without VNNI too
-    ("cpu", Machine(True, False, VNNI), "float", False),  # TF_ENABLE_ONEDNN_OPTS=0
-    ("cpu", Machine(False, True, frozenset({"asimd"})), "float", False),  # aarch64
-    ("cpu", Machine(True, True, VNNI, isa_limit="AVX2"), "float", False),  # ONEDNN_MAX_CPU_ISA caps it
-    ("cpu", Machine(True, True, VNNI, isa_limit="AVX512_CORE_VNNI"), "onednn", False),
+    (None, Machine(True, VNNI), "float", False),
+    ("gpu", Machine(True, VNNI), "integer", True),
+    ("tpu", Machine(False, frozenset()), "integer", True),
+    ("cpu", Machine(True, VNNI), "onednn", False),
+    ("cpu", Machine(True, frozenset({"amx_int8", "avx2"})), "onednn", False),
+    ("cpu", Machine(True, frozenset({"avx_vnni", "avx2"})), "onednn", False),
+    ("cpu", Machine(True, AVX2), "float", False),  # vpmaddubsw saturates: not exact
+    ("cpu", Machine(True, frozenset({"avx512f", "avx512bw"})), "float", False),  # AVX-512 without VNNI too
+    ("cpu", Machine(True, VNNI, int8_kernel=False), "float", False),  # a TensorFlow built without oneDNN
+    ("cpu", Machine(False, frozenset({"asimd"})), "float", False),  # aarch64
+    ("cpu", Machine(True, VNNI, isa_limit="AVX2"), "float", False),  # ONEDNN_MAX_CPU_ISA caps it
+    ("cpu", Machine(True, VNNI, isa_limit="AVX512_CORE_VNNI"), "onednn", False),
 ])
 def test_choose(target, machine, form, xla):
     chosen = choose(target, machine)
@@ -53,10 +53,16 @@ def test_choose(target, machine, form, xla):
 
 
 def test_choose_says_why_cpu_falls_back():
-    assert "saturate" in choose("cpu", Machine(True, True, AVX2)).note
-    assert "TF_ENABLE_ONEDNN_OPTS=0" in choose("cpu", Machine(True, False, VNNI, onednn_setting="0")).note
-    assert "leaves oneDNN off on this CPU" in choose("cpu", Machine(True, False, AVX2)).note  # TensorFlow's default
-    assert "ONEDNN_MAX_CPU_ISA=AVX2" in choose("cpu", Machine(True, True, VNNI, isa_limit="AVX2")).note
+    assert "saturate" in choose("cpu", Machine(True, AVX2)).note
+    assert "no CPU kernel of oneDNN's int8 matmul" in choose("cpu", Machine(True, VNNI, int8_kernel=False)).note
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in choose("cpu", Machine(True, VNNI, isa_limit="AVX2")).note
+    assert "not an x86 CPU" in choose("cpu", Machine(False, frozenset({"asimd"}))).note
+
+
+def test_this_tensorflow_has_onednns_int8_kernel_on_x86():
+    """TensorFlow's x86 builds register oneDNN's u8 x s8 matmul, which --target cpu writes, oneDNN on or off."""
+    if this_machine().x86:
+        assert this_machine().int8_kernel
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +100,12 @@ def test_default_output_computes_the_same_without_onednn(mlp):
     np.testing.assert_array_equal(np.load(mlp / "with.npy"), np.load(mlp / "without.npy"))
 
 
-def test_target_cpu_without_onednn_falls_back_and_says_so(mlp, tmp_path):
-    """--target cpu in a process without oneDNN writes the portable form, and the CLI's summary says why."""
+def test_target_cpu_written_and_served_without_onednn_opts(mlp, tmp_path):
+    """--target cpu with TF_ENABLE_ONEDNN_OPTS=0 picks as with it on, says why, and serves the same bits either way.
+
+    oneDNN's int8 kernel does not need TensorFlow's oneDNN graph rewrites:
+    on a VNNI or AMX CPU the oneDNN form is written and runs with them off; elsewhere the float form.
+    """
     env_script = (f"import os, sys; os.environ['TF_ENABLE_ONEDNN_OPTS'] = '0'; sys.argv[0] = 'tfpolicy';"
                   f" sys.path.insert(0, {str(REPO_ROOT)!r}); from tfpolicy.cli import run_main; run_main()")
     (tmp_path / "map.json").write_text(json.dumps({"default_policy": "int8_from_float32"}))
@@ -104,10 +114,15 @@ def test_target_cpu_without_onednn_falls_back_and_says_so(mlp, tmp_path):
          "--report", str(tmp_path / "report.json"), str(mlp / "in"), str(tmp_path / "out")],
         env=dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0"), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, describe(result)
-    assert "oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0)" in result.stderr, describe(result)
+    expected = choose("cpu")
+    assert expected.note in result.stderr, describe(result)
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["lowering"]["int8_matmul"] == "float"
-    assert report["serving_checks"]["signatures"][0]["xla_compiles"] is True
+    assert report["lowering"]["int8_matmul"] == expected.int8_matmul
+    assert report["serving_checks"]["signatures"][0]["xla_compiles"] is (expected.int8_matmul == "float")
+    off = _run_elsewhere(tmp_path / "out", mlp / "x.npy", tmp_path / "off.npy", TF_ENABLE_ONEDNN_OPTS="0")
+    on = _run_elsewhere(tmp_path / "out", mlp / "x.npy", tmp_path / "on.npy", TF_ENABLE_ONEDNN_OPTS="1")
+    assert off.returncode == 0 and on.returncode == 0, (off.stderr[-2000:], on.stderr[-2000:])
+    np.testing.assert_array_equal(np.load(tmp_path / "off.npy"), np.load(tmp_path / "on.npy"))
 
 
 @pytest.mark.skipif(choose("cpu").int8_matmul != "onednn", reason="oneDNN's int8 dot is not exact on this machine")
@@ -116,10 +131,10 @@ def test_target_cpu_output_uses_onednn_says_so_and_is_allowed_not_to_compile(mlp
     result = run_cli(["--map", str(tmp_path / "map.json"), "--target", "cpu", "--report", str(tmp_path / "r.json"),
                       str(mlp / "in"), str(tmp_path / "out")], tmp_path)
     assert result.returncode == 0, describe(result)
-    assert "runs only on x86 CPUs with oneDNN on" in result.stderr, describe(result)
+    assert "runs only on x86 CPUs (with TF_ENABLE_ONEDNN_OPTS on or off)" in result.stderr, describe(result)
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["lowering"]["int8_matmul"] == "onednn"
-    assert not any(s["xla_compiles"] for s in report["serving_checks"]["signatures"])  # QuantizedMatMulWithBias
+    assert not any(s["xla_compiles"] for s in report["serving_checks"]["signatures"])  # no XLA kernel for it
     variables = report["quantization"]["d1"]["variables"]
     assert "d1/kernel_u8_correction" in variables, variables
     loaded = tf.saved_model.load(str(tmp_path / "out"))
@@ -133,19 +148,21 @@ def test_target_cpu_output_refuses_to_serve_where_onednns_int8_dot_saturates(mlp
     """Written for a VNNI CPU, served where oneDNN adds 8-bit products into 16 bits: a clear failure, not other numbers.
 
     oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``, what an AVX2-only CPU
-    runs) saturates; the output's guard probes the worst case and stops.
+    runs) saturates; the output's guard probes the worst case and stops, with
+    TensorFlow's oneDNN rewrites on or off (the kernel runs either way).
     """
-    monkeypatch.setattr(lowering, "this_machine", lambda: Machine(True, True, VNNI))  # the machine it was written on
+    monkeypatch.setattr(lowering, "this_machine", lambda: Machine(True, VNNI))  # the machine it was written on
     tfpolicy.rewrite(mlp / "in", tmp_path / "out", {"default_policy": "int8_from_float32"}, target="cpu",
                      serving_checks=False)
     nodes = savedmodel_io.read_meta_graph(tmp_path / "out").graph_def
     ops = [n.op for f in nodes.library.function for n in f.node_def]
-    assert "QuantizedMatMulWithBias" in ops and "Assert" in ops
-    served = _run_elsewhere(tmp_path / "out", mlp / "x.npy", tmp_path / "y.npy",
-                            TF_ENABLE_ONEDNN_OPTS="1", ONEDNN_MAX_CPU_ISA="AVX2")
-    assert served.returncode != 0, describe(served)
-    assert "on this CPU it saturates at 16 bits" in served.stderr, served.stderr[-3000:]
-    assert not (tmp_path / "y.npy").exists()
+    assert lowering.ONEDNN_INT8_MATMUL in ops and "Assert" in ops
+    for setting in ("1", "0"):
+        served = _run_elsewhere(tmp_path / "out", mlp / "x.npy", tmp_path / "y.npy",
+                                TF_ENABLE_ONEDNN_OPTS=setting, ONEDNN_MAX_CPU_ISA="AVX2")
+        assert served.returncode != 0, describe(served)
+        assert "on this CPU it saturates at 16 bits" in served.stderr, (setting, served.stderr[-3000:])
+        assert not (tmp_path / "y.npy").exists()
 
 
 def test_this_machine_reads_the_cpu_flags():

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tfpolicy.analysis import quant_sites
-from tfpolicy.analysis.lowering import Lowering
+from tfpolicy.analysis.lowering import ONEDNN_INT8_MATMUL, Lowering
 from tfpolicy.analysis.layer_index import LayerIndex, VariableInfo
 from tfpolicy.analysis.plan import LayerPlan, Plan
 from tfpolicy.core.graph import Graph
@@ -108,9 +108,12 @@ def test_int8_site_in_the_onednn_form_adds_the_shift_correction():
     graph, _, variables, quantize = _rewrite("int8", "int8_from_float32", lowering=Lowering("cpu", "onednn", False, "-"))
     result = quantize.run()
     assert result.modified and graph.verify() == []
-    matmuls = [n for n in graph.nodes.values() if n.op == "QuantizedMatMulWithBias"]
+    matmuls = [n for n in graph.nodes.values() if n.op == ONEDNN_INT8_MATMUL]
     (matmul,) = [n for n in matmuls if "int8_dot_guard" not in n.name]
     assert matmul.attrs["T1"].type == tf.quint8.as_datatype_enum and matmul.attrs["Tbias"].type == tf.qint32.as_datatype_enum
+    # the bias fused, int32 out, and the kernel kept in oneDNN's layout between calls
+    assert [s.decode() for s in matmul.attrs["fused_ops"].list.s] == ["BiasAdd"] and matmul.attrs["is_weight_const"].b
+    assert matmul.attrs["Tout"].type == tf.qint32.as_datatype_enum
     # ... after the guard, whose probe (the other matmul) must be exact on the serving CPU
     (guard,) = [n for n in graph.nodes.values() if n.op == "Assert"]
     assert f"^{guard.name}" in matmul.inputs and len(matmuls) == 2

@@ -201,7 +201,7 @@ def _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned:
                 report.serving_checks = serving.run(
                     staged, target=target, data=check_data, integer_limits=state.integer_limits,
                     input_dir=input_path, shown_as=output_path, xla=xla,
-                    cpu_only_ops=frozenset({"QuantizedMatMulWithBias"}) if state.lowering.cpu_only else frozenset(),
+                    cpu_only_ops=frozenset({lowering.ONEDNN_INT8_MATMUL}) if state.lowering.cpu_only else frozenset(),
                 )
             warned.check()  # --strict has the last word, before the rename
 

@@ -61,7 +61,7 @@ flags.DEFINE_string("validation_data", None, "With --validate: an .npz of inputs
 flags.DEFINE_float("max_error", None, "With --validate: exit 1 when an output's max abs error exceeds this.")
 flags.DEFINE_string("report_html", None, "With --validate: also write an HTML page with the per-layer error chart.")
 flags.DEFINE_enum("target", None, ["gpu", "tpu", "cpu"], "Serving target; picks the fastest exact form of the"
-                  " int8/float8 layers for it. cpu: oneDNN's int8 kernel (x86 with oneDNN; exact on CPUs with"
+                  " int8/float8 layers for it. cpu: oneDNN's int8 kernel (x86 TensorFlow; exact on CPUs with"
                   " AVX512-VNNI, AVX-VNNI or AMX), the output then runs only on such CPUs (elsewhere it stops with"
                   " a message). gpu/tpu: signatures with"
                   " quantized layers marked for XLA compilation (s8 and FP8 GEMMs); gpu also checks every op left"

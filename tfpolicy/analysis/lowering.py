@@ -7,8 +7,7 @@ once per rewrite and handed to the quantize pass and the save::
     --------  ------------------------------------------------------------------  -------------------
     none      "float":   the integers multiplied in float32 (runs everywhere)     as they are
     cpu       "onednn":  oneDNN's u8 x s8 kernel, x + 128 and -128 x column sums  as they are
-              (only where oneDNN is on and the CPU's int8 dot cannot saturate;
-              else "float")
+              (only on x86 CPUs whose int8 dot cannot saturate; else "float")
     gpu, tpu  "integer": Keras's int8 x int8 -> int32 BatchMatMulV3, XLA's s8 dot  marked for XLA
 
 All three give the same int32 sums, so the output equals Keras's bit for bit:
@@ -28,20 +27,21 @@ All three give the same int32 sums, so the output equals Keras's bit for bit:
   speed.
 * **onednn** shifts the int8 input by 128 to uint8 and adds ``-128 * column
   sums`` of the kernel (an int32 variable, ``<kernel>_u8_correction``) as the
-  int32 bias of ``QuantizedMatMulWithBias``: ``(x + 128) . W - 128 . sum(W) =
-  x . W``. oneDNN runs it on VNNI or AMX integer units. Without VNNI, oneDNN
-  multiplies 8-bit pairs into saturating 16-bit sums (``vpmaddubsw``), which
-  changes the result, so it is chosen only on CPUs with AVX512-VNNI, AVX-VNNI
-  or AMX-INT8. oneDNN converts its int32 sum to float32 to add the bias, so a
-  kernel whose sums could pass ``2**24`` (many large weights of one sign) is
-  contracted in chunks without a bias, added and corrected in int32
-  (``quant_variables.u8_exact_chunks``). The op has no GPU or XLA kernel and
-  needs oneDNN at serving time, which the rewrite says: served with
-  ``TF_ENABLE_ONEDNN_OPTS=0``, its first int8 matmul fails ("Missing 0-th
-  output"), as TensorFlow registers only a placeholder kernel for it then.
-  Served on a CPU whose oneDNN saturates, a guard in front of the matmuls (a
-  worst-case probe, ``QuantizePass._int8_dot_guard_node``) fails the call with
-  a message saying why, instead of returning other numbers than Keras's.
+  int32 bias of oneDNN's u8 x s8 matmul (TensorFlow's ``_QuantizedMatMul``):
+  ``(x + 128) . W - 128 . sum(W) = x . W``. oneDNN runs it on VNNI or AMX
+  integer units, and reorders each kernel into the layout its int8 kernel
+  wants once, at the first call. Without VNNI, oneDNN multiplies 8-bit pairs
+  into saturating 16-bit sums (``vpmaddubsw``), which changes the result, so
+  it is chosen only on CPUs with AVX512-VNNI, AVX-VNNI or AMX-INT8. oneDNN
+  converts its int32 sum to float32 to add the bias, so a kernel whose sums
+  could pass ``2**24`` (many large weights of one sign) is contracted in chunks
+  without a bias, added and corrected in int32
+  (``quant_variables.u8_exact_chunks``). The op has no GPU or XLA kernel; its
+  CPU kernel is in TensorFlow's x86 builds and runs with oneDNN's graph
+  rewrites on or off (``TF_ENABLE_ONEDNN_OPTS``). Served on a CPU whose
+  oneDNN saturates, a guard in front of the matmuls (a worst-case probe,
+  ``QuantizePass._int8_dot_guard_node``) fails the call with a message saying
+  why, instead of returning other numbers than Keras's.
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ from typing import Any, Optional
 
 from tfpolicy.analysis.plan import OUTSIDE_LAYERS, Plan
 from tfpolicy.core import tf_internals
+from tfpolicy.core.tf_names import DT_QINT8, DT_QINT32, DT_QUINT8
 from tfpolicy.errors import TargetError
 
 INT8_FORMS = ("integer", "float", "onednn")
+ONEDNN_INT8_MATMUL = "_QuantizedMatMul"
+"""TensorFlow's op for oneDNN's int8 matmul with a fused bias, which keeps the kernel reordered between calls."""
 EXACT_INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 """CPU flags under which oneDNN's u8 x s8 dot accumulates into int32 without a saturating 16-bit step."""
 
@@ -67,10 +70,9 @@ class Machine:
     """What the lowering depends on in the machine the rewrite runs on."""
 
     x86: bool
-    onednn: bool
     flags: frozenset[str]
     isa_limit: str = ""  # ONEDNN_MAX_CPU_ISA, which caps the instructions oneDNN uses
-    onednn_setting: str = ""  # TF_ENABLE_ONEDNN_OPTS as set ("" unset: TensorFlow decides by the CPU)
+    int8_kernel: bool = True  # this TensorFlow build has oneDNN's u8 x s8 -> s32 CPU kernel (ONEDNN_INT8_MATMUL)
 
     @property
     def exact_int8_dot(self) -> tuple[str, ...]:
@@ -88,7 +90,7 @@ def _isa_has_int8_dot(isa: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def this_machine() -> Machine:
-    """This machine: its architecture, whether oneDNN is on, its CPU flags (Linux's ``/proc/cpuinfo``)."""
+    """This machine: its architecture, its CPU flags (Linux's ``/proc/cpuinfo``), its TensorFlow's int8 kernel."""
     flags: frozenset[str] = frozenset()
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -99,8 +101,17 @@ def this_machine() -> Machine:
         pass
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
     isa_limit = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    return Machine(x86=x86, onednn=tf_internals.onednn_enabled(), flags=flags, isa_limit=isa_limit,
-                   onednn_setting=os.environ.get("TF_ENABLE_ONEDNN_OPTS", ""))
+    return Machine(x86=x86, flags=flags, isa_limit=isa_limit, int8_kernel=_has_int8_kernel())
+
+
+def _has_int8_kernel() -> bool:
+    """Whether this TensorFlow registers a CPU kernel of ONEDNN_INT8_MATMUL for uint8 x int8 (+ int32) -> int32."""
+    wanted = {"T1": DT_QUINT8, "T2": DT_QINT8, "Tbias": DT_QINT32, "Tout": DT_QINT32}
+    for kernel in tf_internals.registered_kernels(ONEDNN_INT8_MATMUL):
+        allowed = {c.name: set(c.allowed_values.list.type) for c in kernel.constraint}
+        if kernel.device_type == "CPU" and all(dtype in allowed.get(name, {dtype}) for name, dtype in wanted.items()):
+            return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +141,7 @@ class Lowering:
 
     @property
     def cpu_only(self) -> bool:
-        """The output runs only on x86 CPUs with oneDNN on, and does not compile under XLA."""
+        """The output runs only on x86 CPUs (oneDNN's int8 kernel), and does not compile under XLA."""
         return self.int8_matmul == "onednn"
 
     @property
@@ -159,13 +170,9 @@ def choose(target: Optional[str], machine: Optional[Machine] = None) -> Lowering
                         " every CPU and GPU and under XLA (--target cpu, gpu or tpu picks a faster form)")
     machine = machine or this_machine()
     if not machine.x86:
-        why = "this is not an x86 CPU, where oneDNN's quantized matmul runs"
-    elif not machine.onednn and machine.onednn_setting:
-        why = f"oneDNN is off (TF_ENABLE_ONEDNN_OPTS={machine.onednn_setting}), and its quantized matmul needs it"
-    elif not machine.onednn:
-        # TensorFlow's own default: oneDNN on only for CPUs with AVX512-VNNI, AVX512-BF16, AVX-VNNI or AMX.
-        why = ("TensorFlow leaves oneDNN off on this CPU (its default where the CPU has no VNNI, AVX512-BF16"
-               " or AMX), and its quantized matmul needs it")
+        why = "this is not an x86 CPU, where oneDNN's int8 matmul runs"
+    elif not machine.int8_kernel:
+        why = f"this TensorFlow build has no CPU kernel of oneDNN's int8 matmul ({ONEDNN_INT8_MATMUL})"
     elif not machine.exact_int8_dot:
         limit = f"ONEDNN_MAX_CPU_ISA={machine.isa_limit} keeps oneDNN off" if machine.isa_limit else "this CPU has no"
         why = (f"{limit} AVX512-VNNI, AVX-VNNI or AMX-INT8, without which oneDNN's 8-bit multiply-adds"
@@ -173,9 +180,10 @@ def choose(target: Optional[str], machine: Optional[Machine] = None) -> Lowering
     else:
         return Lowering(target, "onednn", False,
                         f"--target cpu: int8 matmuls run on oneDNN's u8 x s8 kernel (exact on this CPU's"
-                        f" {', '.join(machine.exact_int8_dot)}); the output runs only on x86 CPUs with oneDNN on"
-                        " (TensorFlow's default there), computes Keras's numbers only on CPUs with AVX512-VNNI,"
-                        " AVX-VNNI or AMX-INT8, and its int8 signatures do not compile under XLA")
+                        f" {', '.join(machine.exact_int8_dot)}); the output runs only on x86 CPUs (with"
+                        " TF_ENABLE_ONEDNN_OPTS on or off), computes Keras's numbers only on CPUs with AVX512-VNNI,"
+                        " AVX-VNNI or AMX-INT8 (elsewhere a guard stops it), and its int8 signatures do not compile"
+                        " under XLA")
     return Lowering(target, "float", False,
                     f"--target cpu: int8 matmuls multiply their int8 values exactly in float32, because {why}")
 

@@ -22,7 +22,7 @@ from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import fingerprinting_utils
 from tensorflow.python.trackable import asset, autotrackable, resource, trackable_utils
-from tensorflow.python.util import _pywrap_util_port, deprecation, nest
+from tensorflow.python.util import deprecation, nest
 
 
 def op_def(op_type: str) -> Optional[op_def_pb2.OpDef]:
@@ -40,15 +40,6 @@ def registered_kernels(op_type: str) -> Sequence[kernel_def_pb2.KernelDef]:
     No public API lists kernels; it is how tfpolicy knows a bfloat16 op will run.
     """
     return kernels.get_registered_kernels_for_op(op_type).kernel
-
-
-def onednn_enabled() -> bool:
-    """Whether this process runs TensorFlow's oneDNN kernels (x86 builds, unless TF_ENABLE_ONEDNN_OPTS=0).
-
-    oneDNN's quantized matmul kernels (``QuantizedMatMulWithBias``) compute
-    only then; no public API says whether they are on.
-    """
-    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def run_grappler(config: config_pb2.ConfigProto, meta_graph: meta_graph_pb2.MetaGraphDef) -> graph_pb2.GraphDef:

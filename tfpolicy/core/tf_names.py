@@ -88,6 +88,10 @@ def type_list_attr(dtypes: Sequence[int]) -> attr_value_pb2.AttrValue:
     return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=list(dtypes)))
 
 
+def string_list_attr(values: Sequence[str]) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(s=[v.encode() for v in values]))
+
+
 def shape_attr(dims: Optional[Sequence[int]]) -> attr_value_pb2.AttrValue:
     """A shape attribute: ``dims`` (``-1`` unknown), or unknown rank for None."""
     return attr_value_pb2.AttrValue(shape=_shape_proto(dims))

@@ -50,7 +50,7 @@ from typing import Optional
 import numpy as np
 
 from tfpolicy.analysis.layer_index import LayerIndex
-from tfpolicy.analysis.lowering import Lowering
+from tfpolicy.analysis.lowering import ONEDNN_INT8_MATMUL, Lowering
 from tfpolicy.analysis.lowering import choose as choose_lowering
 from tfpolicy.analysis.quant_records import IntegerMatmul
 from tfpolicy.analysis.quant_sites import READ_THROUGH, Float8Group, Int8Kernel, QuantPlan, Site
@@ -60,6 +60,7 @@ from tfpolicy.core.tf_names import TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import string_attr as _str
+from tfpolicy.core.tf_names import string_list_attr as _strs
 from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.core.tf_names import type_list_attr as _types
 from tfpolicy.passes import PassResult
@@ -312,7 +313,7 @@ class QuantizePass(Int4Rewrites):
         return restore(self.op("AddN", f"{base}/sum", sums, N=_int(len(sums)), T=_type(INT32)))
 
     def _onednn_product(self, values: TensorRef, dtype: int, kernel: TensorRef, site: Site, base: str) -> TensorRef:
-        """oneDNN's ``QuantizedMatMulWithBias``: ``(x + 128) . W`` plus the int32 bias ``-128 . sum(W)``.
+        """oneDNN's int8 matmul (:meth:`_onednn_matmul`): ``(x + 128) . W`` plus the int32 bias ``-128 . sum(W)``.
 
         oneDNN adds the bias in float32: where a kernel's sums could pass 2^24
         (:func:`u8_exact_chunks`), the contraction is split into chunks without
@@ -337,14 +338,31 @@ class QuantizePass(Int4Rewrites):
 
     def _onednn_matmul(self, rows: TensorRef, kernel: TensorRef, bias: TensorRef, transpose: bool, name: str,
                        guarded: bool = True) -> TensorRef:
-        """``rows (quint8) . kernel (int8) + bias (int32)`` in int32, by oneDNN; after :meth:`_int8_dot_guard_node`."""
+        """``rows (quint8) . kernel (int8) + bias (int32)`` in int32, by oneDNN; after :meth:`_int8_dot_guard_node`.
+
+        TensorFlow's ``_QuantizedMatMul`` with its bias fused (``fused_ops``
+        ``["BiasAdd"]``, int32 in and out): with ``is_weight_const`` it
+        reorders the kernel into the layout oneDNN's int8 kernel wants (AMX's
+        blocked tiles) once, at the first call, and keeps it, where
+        ``QuantizedMatMulWithBias`` reorders it at every call under oneDNN 3.
+        Its kernel is registered whether or not oneDNN's graph rewrites are on
+        (``TF_ENABLE_ONEDNN_OPTS=0``). The kernel variables it reads are never
+        assigned in serving. Inputs ``[0, 255]`` and weights ``[-127, 127]``
+        make every scale oneDNN derives 1: it adds the bias to the float32 of
+        the int32 sum and rounds back (exact below ``2**24``: see the chunks).
+        """
         weights = self.op("Bitcast", f"{name}/kernel_qint8", [kernel], T=_type(INT8), type=_type(DT_QINT8))
         bias = self.op("Bitcast", f"{name}/bias_qint32", [bias], T=_type(INT32), type=_type(DT_QINT32))
         bounds = [self.const(f"{name}/{n}", v, DT_FLOAT) for n, v in
                   (("min_input", 0.0), ("max_input", 255.0), ("min_kernel", -INT8_RANGE), ("max_kernel", INT8_RANGE))]
-        product = self.op("QuantizedMatMulWithBias", name, [rows, weights, bias, *bounds],
-                          T1=_type(DT_QUINT8), T2=_type(DT_QINT8), Tbias=_type(DT_QINT32), Toutput=_type(DT_QINT32),
-                          transpose_a=_bool(False), transpose_b=_bool(transpose), input_quant_mode=_str("MIN_FIRST"))
+        product = self.op(ONEDNN_INT8_MATMUL, name, [rows, weights, bias, *bounds],
+                          Tdevice_inputs=_types([DT_QUINT8, DT_QINT8, DT_QINT32] + [DT_FLOAT] * 4),
+                          Thost_inputs=_types([]), Thost_outputs=_types([]),
+                          Tdevice_outputs=_types([DT_QINT32, DT_FLOAT, DT_FLOAT]),
+                          T1=_type(DT_QUINT8), T2=_type(DT_QINT8), Tbias=_type(DT_QINT32), Tout=_type(DT_QINT32),
+                          U=_type(DT_FLOAT), transpose_a=_bool(False), transpose_b=_bool(transpose),
+                          fused_ops=_strs(["BiasAdd"]), input_quant_mode=_str("MIN_FIRST"),
+                          is_weight_const=_bool(True), is_bias_const=_bool(True))
         if guarded:
             self.graph.nodes[product.node].inputs.append(f"^{self._int8_dot_guard_node()}")
         return self.op("Bitcast", f"{name}_int32", [product], T=_type(DT_QINT32), type=_type(INT32))
