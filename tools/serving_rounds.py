@@ -26,7 +26,8 @@ import time
 import numpy as np
 
 
-def _load(spec: str, signature: str, batch: int, seq: int):
+def load(spec: str, signature: str, batch: int, seq: int):
+    """A call of signature ``signature`` of SavedModel ``spec`` (``amp:DIR``: with AMP) on fixed random inputs."""
     import tensorflow as tf
     from tensorflow.core.protobuf import rewriter_config_pb2
 
@@ -59,7 +60,7 @@ def main(argv=None) -> list[tuple[str, float, float]]:
     parser.add_argument("--seq", type=int, default=128, help="size of the other dynamic dimensions (default 128)")
     parser.add_argument("--signature", default="serving_default")
     args = parser.parse_args(argv)
-    calls = [_load(model, args.signature, args.batch, args.seq) for model in args.models]
+    calls = [load(model, args.signature, args.batch, args.seq) for model in args.models]
     for call in calls:
         for _ in range(3):
             call()
