@@ -54,8 +54,7 @@ import platform
 from typing import Any, Optional
 
 from tfpolicy.analysis.plan import OUTSIDE_LAYERS, Plan
-from tfpolicy.core import tf_internals
-from tfpolicy.core.tf_names import DT_QINT8, DT_QINT32, DT_QUINT8
+from tfpolicy.core import tf_names
 from tfpolicy.errors import TargetError
 
 INT8_FORMS = ("integer", "float", "onednn")
@@ -106,12 +105,8 @@ def this_machine() -> Machine:
 
 def _has_int8_kernel() -> bool:
     """Whether this TensorFlow registers a CPU kernel of ONEDNN_INT8_MATMUL for uint8 x int8 (+ int32) -> int32."""
-    wanted = {"T1": DT_QUINT8, "T2": DT_QINT8, "Tbias": DT_QINT32, "Tout": DT_QINT32}
-    for kernel in tf_internals.registered_kernels(ONEDNN_INT8_MATMUL):
-        allowed = {c.name: set(c.allowed_values.list.type) for c in kernel.constraint}
-        if kernel.device_type == "CPU" and all(dtype in allowed.get(name, {dtype}) for name, dtype in wanted.items()):
-            return True
-    return False
+    return tf_names.cpu_kernel_accepts(ONEDNN_INT8_MATMUL, (
+        ("T1", tf_names.DT_QUINT8), ("T2", tf_names.DT_QINT8), ("Tbias", tf_names.DT_QINT32), ("Tout", tf_names.DT_QINT32)))
 
 
 @dataclasses.dataclass(frozen=True)

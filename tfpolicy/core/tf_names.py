@@ -287,7 +287,6 @@ def flat_to_function_input(
 # ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
 def has_cpu_kernel(op_type: str, attr_name: str, dtype: int) -> bool:
     """Whether a CPU kernel of ``op_type`` accepts ``dtype`` for ``attr_name``.
 
@@ -295,11 +294,17 @@ def has_cpu_kernel(op_type: str, attr_name: str, dtype: int) -> bool:
     accelerators, so that a rewritten SavedModel can always be checked on a CPU.
     Kernels without a constraint on ``attr_name`` accept any type.
     """
+    return cpu_kernel_accepts(op_type, ((attr_name, dtype),))
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel_accepts(op_type: str, dtypes: tuple[tuple[str, int], ...]) -> bool:
+    """Whether one CPU kernel of ``op_type`` accepts every ``(type attribute, dtype)`` of ``dtypes`` at once."""
     for kernel in tf_internals.registered_kernels(op_type):
         if kernel.device_type != "CPU":
             continue
-        constraint = next((c for c in kernel.constraint if c.name == attr_name), None)
-        if constraint is None or dtype in constraint.allowed_values.list.type:
+        allowed = {c.name: c.allowed_values.list.type for c in kernel.constraint}
+        if all(name not in allowed or dtype in allowed[name] for name, dtype in dtypes):
             return True
     return False
 
