@@ -24,7 +24,7 @@ import numpy as np
 
 from tfpolicy.analysis.quant_sites import Int4Kernel, QuantPlan, Site
 from tfpolicy.core.graph import Node
-from tfpolicy.core.tf_names import DT_FLOAT, DT_HALF, DT_UINT8, DT_UINT16, TensorRef, dtype_name
+from tfpolicy.core.tf_names import DT_FLOAT, DT_HALF, DT_UINT8, DT_UINT16, TensorRef
 from tfpolicy.core.tf_names import bool_attr as _bool
 from tfpolicy.core.tf_names import int_attr as _int
 from tfpolicy.core.tf_names import type_attr as _type
@@ -162,50 +162,30 @@ class Int4Rewrites(GraphBuilder):
         """The kernel in ``dtype`` and its own shape, dequantized as Keras's int4 EinsumDense (and blocked Dense) do."""
         T = _type(dtype)
         base = f"{read}/tfpolicy/int4_dequantize"
-        unpacked = self._unpacked_kernel(read, kernel)
+        values = self.cast(self._unpacked_kernel(read, kernel), dtype, f"{base}/cast")
         if kernel.block_size is None:
-            values = self.cast(unpacked, dtype, f"{base}/cast")
             value = self.op("RealDiv", f"{base}/divide", [values, self.scale_as(kernel.scale_name, dtype, constant_ok=False)], T=T)
         elif kernel.rows % kernel.block_size == 0:  # (blocks, block, columns) against (blocks, 1, columns): broadcast
             blocks = kernel.rows // kernel.block_size
             grouped = self.op("Reshape", f"{base}/blocks", [
-                unpacked, self.const(f"{base}/blocks_shape", [blocks, kernel.block_size, kernel.columns], INT32)],
-                T=_type(INT8), Tshape=_type(INT32))
+                values, self.const(f"{base}/blocks_shape", [blocks, kernel.block_size, kernel.columns], INT32)],
+                T=T, Tshape=_type(INT32))
             one = self.const(f"{base}/block_axis", 1, INT32)
             scales = self.op("ExpandDims", f"{base}/scales", [self.scale_as(kernel.scale_name, dtype, constant_ok=False), one], T=T, Tdim=_type(INT32))
-            zeros = self.op("ExpandDims", f"{base}/zeros", [self.read(kernel.zero_name, constant_ok=False), one],
-                            T=_type(INT8), Tdim=_type(INT32))
-            value = self._zero_point_dequantize(grouped, zeros, scales, dtype, base)
+            zeros = self.op("ExpandDims", f"{base}/zeros", [self.cast(self.read(kernel.zero_name, constant_ok=False), dtype, f"{base}/zeros_cast"), one],
+                            T=T, Tdim=_type(INT32))
+            value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [grouped, zeros], T=T), scales], T=T)
             value = self.op("Reshape", f"{base}/rows", [value, self.const(f"{base}/rows_shape", [kernel.rows, kernel.columns], INT32)],
                             T=T, Tshape=_type(INT32))
         else:  # a last, shorter block: each row's scale and zero gathered
             groups = self.const(f"{base}/groups", np.arange(kernel.rows) // kernel.block_size, INT32)
             scales = self.take(self.scale_as(kernel.scale_name, dtype, constant_ok=False), groups, 0, f"{base}/scales")
-            zeros = self.take(self.read(kernel.zero_name, constant_ok=False), groups, 0, f"{base}/zeros_int8")
-            value = self._zero_point_dequantize(unpacked, zeros, scales, dtype, base)
+            zeros = self.cast(self.take(self.read(kernel.zero_name, constant_ok=False), groups, 0, f"{base}/zeros_int8"), dtype, f"{base}/zeros")
+            value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [values, zeros], T=T), scales], T=T)
         if tuple(kernel.shape) != (kernel.rows, kernel.columns):
             value = self.op("Reshape", f"{base}/reshape", [value, self.const(f"{base}/shape", list(kernel.shape), INT32)],
                             T=T, Tshape=_type(INT32))
         return value
-
-    def _zero_point_dequantize(self, values: TensorRef, zeros: TensorRef, scales: TensorRef, dtype: int,
-                               base: str) -> TensorRef:
-        """Keras's ``scale * (q - zero)`` in ``dtype``, from int8 ``values`` and ``zeros`` and ``scales`` in ``dtype``.
-
-        ``q`` and ``zero`` both lie in [-8, 7], so ``q - zero`` is exact in
-        int8, and its product with a bfloat16 or float16 scale is exact in
-        float32 (at most 5 + 11 significant bits): one Cast to ``dtype`` then
-        rounds it as the multiply in ``dtype`` does. The same bits as Keras's
-        Casts, Sub and Mul in ``dtype``, with the full-size work in int8 and
-        float32, which TensorFlow's CPU kernels run faster than bfloat16's
-        (they compute those in float32 and round at every op)::
-
-            q, zero (int8) -> Sub -> Cast(float32) -> Mul(Cast(scale, float32)) -> Cast(dtype)
-        """
-        difference = self.op("Sub", f"{base}/subtract", [values, zeros], T=_type(INT8))
-        wide = self.cast(difference, F32, f"{base}/subtract_float32")
-        product = self.op("Mul", f"{base}/multiply", [wide, self.cast(scales, F32, f"{base}/scales_float32")], T=_type(F32))
-        return self.cast(product, dtype, f"{base}/multiply_{dtype_name(dtype)}")
 
     def _store_int4(self, kernel: Int4Kernel, reads: list[Node], dtype: int) -> None:
         """Every read of the kernel reads the packed bytes; float consumers read it dequantized in ``dtype``."""
@@ -235,18 +215,17 @@ class Int4Rewrites(GraphBuilder):
         gathered = lambda name, dtype: self.lookup_rows(node, name, dtype, f"{base}/row_{name}")  # noqa: E731
         dtype = site.compute_dtype  # as the int8 lookup (see _gather)
         T = _type(dtype)
-        unpacked = self._unpack_int4(packed, kernel.columns, f"{base}/unpack")
+        values = self.cast(self._unpack_int4(packed, kernel.columns, f"{base}/unpack"), dtype, f"{base}/cast")
         scales = self.cast(gathered(kernel.scale_name, F32), dtype, f"{base}/row_scales_cast")
         if kernel.block_size is None:
-            values = self.cast(unpacked, dtype, f"{base}/cast")
             scales = self.op("ExpandDims", f"{base}/row_scales_expanded", [scales, self.const(f"{base}/last", -1, INT32)],
                              T=T, Tdim=_type(INT32))
             value = self.op("RealDiv", f"{base}/divide", [values, scales], T=T)
         else:
             groups = self.const(f"{base}/groups", np.arange(kernel.columns) // kernel.block_size, INT32)
             scales = self.take(scales, groups, -1, f"{base}/scales")
-            zeros = self.take(gathered(kernel.zero_name, INT8), groups, -1, f"{base}/zeros_int8")
-            value = self._zero_point_dequantize(unpacked, zeros, scales, dtype, base)
+            zeros = self.cast(self.take(gathered(kernel.zero_name, INT8), groups, -1, f"{base}/zeros_int8"), dtype, f"{base}/zeros")
+            value = self.op("Mul", f"{base}/multiply", [self.op("Sub", f"{base}/subtract", [values, zeros], T=T), scales], T=T)
         output_dtype = self.graph.output_dtypes(node)[0]
         if dtype == output_dtype:
             self.graph.redefine(node, "Identity", [str(value)], {"T": T})
