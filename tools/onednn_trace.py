@@ -63,8 +63,11 @@ def parse(log: str) -> dict[int, list[Row]]:
         if call is None or not line.startswith("onednn_verbose") or "exec" not in parts[:5]:
             continue
         at = parts.index("exec")
-        kind, implementation, descriptors = parts[at + 2], parts[at + 3], parts[at + 5]
-        groups[call][(kind, implementation, _types(descriptors))].append(float(parts[-1]))
+        try:
+            kind, implementation, descriptors, ms = parts[at + 2], parts[at + 3], parts[at + 5], float(parts[-1])
+        except (IndexError, ValueError):  # a line of another layout: not counted
+            continue
+        groups[call][(kind, implementation, _types(descriptors))].append(ms)
     return {call: sorted((Row(*key, len(times), sum(times)) for key, times in found.items()), key=lambda r: -r.ms)
             for call, found in groups.items()}
 
