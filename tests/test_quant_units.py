@@ -6,6 +6,7 @@ import inspect
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 import keras
@@ -99,3 +100,32 @@ def test_float8_kernel_statistics_are_kerass_formulas_bit_for_bit(amax):
     assert stored is None  # asked only for the statistics
     keras_history = keras.quantizers.compute_float8_amax_history(kernel, np.zeros((16,), np.float32))
     assert np.asarray(keras_history, np.float32).tobytes() == history.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("value_range", [(-127, 127), (-8, 7)])
+def test_abs_max_quantize_is_kerass_bit_for_bit(dtype, value_range):
+    """The float32-pass abs_max_quantize gives Keras's numpy one's values and scales, in Keras's dtypes."""
+    from tfpolicy.core.tf_names import numpy_dtype  # noqa: PLC0415
+    from tfpolicy.passes import quant_variables  # noqa: PLC0415
+
+    rng = np.random.default_rng(7)
+    np_dtype = np.dtype(numpy_dtype(tf.dtypes.as_dtype(dtype).as_datatype_enum))
+    cases = []
+    for shape, axes in (((96, 40), (0,)), ((12, 5, 33), (0, 1)), ((33, 12, 4), (0,)), ((40, 96), (1,))):
+        for magnitude in (0.02, 1.0, 300.0, 1e-3):
+            values = rng.normal(size=shape).astype(np.float32) * magnitude
+            values[..., 0] = 0.0  # a zero channel: the scale is value_range / epsilon
+            values.flat[:64] = np.round(values.flat[:64] * 4) / 4  # products landing on .5: ties to even
+            cases.append((values.astype(np_dtype), axes))
+    for values, axes in cases:
+        expected_q, expected_scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(
+            values, axis=axes, value_range=value_range, to_numpy=True))
+        q, scale = quant_variables.abs_max_quantize(values, axes, value_range)
+        assert q.dtype == expected_q.dtype == np.int8 and np.array_equal(q, expected_q)
+        assert scale.dtype == expected_scale.dtype and scale.shape == expected_scale.shape
+        assert scale.tobytes() == expected_scale.tobytes()
+    not_finite = np.array([[1.0, np.nan], [np.inf, 2.0]], np.float32).astype(np_dtype)  # through Keras's own function
+    with np.errstate(invalid="ignore"):
+        q, scale = quant_variables.abs_max_quantize(not_finite, (0,), value_range)
+    assert q.dtype == np.int8 and scale.shape == (1, 2)

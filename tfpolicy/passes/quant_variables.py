@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfpolicy.analysis.lowering import Lowering
 from tfpolicy.analysis.quant_sites import Int4Kernel, QuantPlan
 from tfpolicy.core.assemble import LazyValues, NewVariable
-from tfpolicy.core.tf_names import DT_FLOAT, DT_FLOAT8_E4M3FN, DT_INT8, DT_INT32, numpy_dtype
+from tfpolicy.core.tf_names import DT_BFLOAT16, DT_FLOAT, DT_FLOAT8_E4M3FN, DT_INT8, DT_INT32, numpy_dtype
 
 FLOAT8 = DT_FLOAT8_E4M3FN
 INT8 = DT_INT8
@@ -122,14 +122,65 @@ def _int8_values(read_value, kernel, onednn: bool = False, in_order: bool = True
     # As Keras's ``quantize("int8")`` calls it: on the kernel as the layer stores it (a bfloat16
     # policy's kernel is bfloat16), in numpy arithmetic of that dtype. The scale is stored in float32,
     # which holds a bfloat16 or float16 scale exactly.
-    stored = tf.cast(read_value(kernel.uid), kernel.variable_dtype)
-    q, scale = (np.asarray(t) for t in keras.quantizers.abs_max_quantize(stored, axis=kernel.reduced_axes,
-                                                                          to_numpy=True))
+    stored = np.asarray(tf.cast(read_value(kernel.uid), kernel.variable_dtype))
+    q, scale = abs_max_quantize(stored, kernel.reduced_axes)
     scale = np.squeeze(scale, axis=kernel.reduced_axes).astype(np.float32)
     if not onednn:
         return q, scale, np.int32(float_exact_chunks(q, kernel.reduced_axes, in_order))
     correction = np.int32(-U8_SHIFT) * q.astype(np.int32).sum(axis=kernel.reduced_axes, dtype=np.int32)
     return q, scale, correction.astype(np.int32), np.int32(u8_exact_chunks(q, kernel.reduced_axes, in_order))
+
+
+def abs_max_quantize(values: np.ndarray, axes: tuple[int, ...],
+                     value_range: tuple[int, int] = (-int(INT8_RANGE), int(INT8_RANGE))) -> tuple[np.ndarray, np.ndarray]:
+    """Keras's ``abs_max_quantize(values, axes, value_range, to_numpy=True)``, bit for bit: ``(int8 values, scale)``.
+
+    Keras computes in the values' dtype, and numpy's bfloat16 (and float16)
+    arithmetic widens and rounds back one element at a time; this takes a few
+    float32 passes. The scale comes from Keras's own arithmetic in the values'
+    dtype (one value per channel, kept dims); each product of two values of a
+    16-bit float dtype is exact in float32 (8 + 8 or 11 + 11 significant bits),
+    and rounding it once to that dtype (to nearest, ties to even) is what the
+    dtype's multiply gives; rounding, clipping and casting those values is
+    exact in float32. Values that are not all finite, and other dtypes, go
+    through Keras's function itself.
+    """
+    values = np.asarray(values)
+    dtype = values.dtype
+    low, high = value_range
+    wide = values.astype(np.float32)  # a copy: the products are computed in it
+    amax = np.max(np.abs(wide), axis=axes, keepdims=True)
+    if dtype not in _ROUNDED_PRODUCTS or not np.isfinite(amax).all():
+        q, scale = keras.quantizers.abs_max_quantize(values, axis=axes, value_range=value_range, to_numpy=True)
+        return np.asarray(q), np.asarray(scale)
+    scale = np.divide(high, np.add(amax.astype(dtype), EPSILON))  # Keras's expression, in the values' dtype
+    np.multiply(wide, scale.astype(np.float32), out=wide)
+    _ROUNDED_PRODUCTS[dtype](wide)
+    np.rint(wide, out=wide)
+    np.clip(wide, low, high, out=wide)
+    return wide.astype(np.int8), scale
+
+
+def _round_to_bfloat16(wide: np.ndarray) -> None:
+    """Round finite float32 ``wide`` in place to the nearest bfloat16 (ties to even), as bfloat16 arithmetic rounds."""
+    bits = wide.view(np.uint32)
+    carry = bits >> np.uint32(16)
+    carry &= np.uint32(1)
+    carry += np.uint32(0x7FFF)
+    bits += carry
+    bits &= np.uint32(0xFFFF0000)
+
+
+def _round_to_float16(wide: np.ndarray) -> None:
+    wide[...] = wide.astype(np.float16)
+
+
+_ROUNDED_PRODUCTS: dict[np.dtype, Callable[[np.ndarray], None]] = {
+    np.dtype(np.float32): lambda wide: None,  # float32's own products
+    np.dtype(numpy_dtype(DT_BFLOAT16)): _round_to_bfloat16,
+    np.dtype(np.float16): _round_to_float16,
+}
+"""Per dtype Keras may quantize in: how a float32 product of two of its values is rounded to it."""
 
 
 def chunk_sizes(contracted: int, chunks: int) -> list[int]:
@@ -151,6 +202,8 @@ def u8_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: bool
     long contraction of large weights of one sign needs more.
     """
     limit = FLOAT32_EXACT_INTEGER // 255
+    if _contracted(q, reduced_axes) * int(INT8_RANGE) <= limit:
+        return 1  # every |w| at most 127: no column can get near
     sums, magnitudes = _column_totals(q, reduced_axes)
     if max(int(np.max((magnitudes + sums) // 2, initial=0)), int(np.max((magnitudes - sums) // 2, initial=0))) <= limit:
         return 1  # the common case, without an int64 copy of the kernel
@@ -172,9 +225,16 @@ def float_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: b
     ``in_order`` as for :func:`u8_exact_chunks`.
     """
     limit = FLOAT32_EXACT_INTEGER // int(INT8_RANGE)
+    if _contracted(q, reduced_axes) * int(INT8_RANGE) <= limit:
+        return 1  # every |w| at most 127: no column can get near
     if int(np.max(_column_totals(q, reduced_axes)[1], initial=0)) <= limit:
         return 1  # the common case, without an int64 copy of the kernel
     return _fewest_chunks((np.abs(_columns(q, reduced_axes)),), limit, in_order and _leading(reduced_axes))
+
+
+def _contracted(q: np.ndarray, reduced_axes: tuple[int, ...]) -> int:
+    """How many values of ``q`` each column sums (its sum of ``|q|`` is at most 127 times that)."""
+    return int(np.prod([q.shape[a] for a in reduced_axes]))
 
 
 def _column_totals(q: np.ndarray, reduced_axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -189,19 +249,28 @@ def _leading(reduced_axes: tuple[int, ...]) -> bool:
 
 def _columns(q: np.ndarray, reduced_axes: tuple[int, ...]) -> np.ndarray:
     """``q`` as (contracted, columns), int32 (a sum over a contraction of int8 values fits)."""
-    contracted = int(np.prod([q.shape[a] for a in reduced_axes]))
-    return np.moveaxis(q, reduced_axes, range(len(reduced_axes))).reshape(contracted, -1).astype(np.int32)
+    return np.moveaxis(q, reduced_axes, range(len(reduced_axes))).reshape(_contracted(q, reduced_axes), -1).astype(np.int32)
+
+
+_SUMMED_TRIES = 4
+"""In-order chunk counts tried by summing each chunk (one pass each) before prefix sums (one slower pass, then any count)."""
 
 
 def _fewest_chunks(parts: tuple[np.ndarray, ...], limit: int, in_order: bool) -> int:
     """The fewest chunks of the contraction in which every column's sum of each of ``parts`` stays within ``limit``."""
     contracted = parts[0].shape[0]
-    if max(part.sum(0, dtype=np.int64).max(initial=0) for part in parts) <= limit:
+    total = max(int(part.sum(0, dtype=np.int64).max(initial=0)) for part in parts)
+    if total <= limit:
         return 1
     if in_order:
+        fewest = max(2, -(-total // limit))  # no fewer chunks can hold the largest column's sum
+        for chunks in range(fewest, min(fewest + _SUMMED_TRIES, contracted + 1)):  # the usual case: one sum each
+            starts = np.cumsum([0] + chunk_sizes(contracted, chunks)[:-1])
+            if all(np.add.reduceat(part, starts, axis=0).max() <= limit for part in parts):
+                return chunks
         prefix = [np.concatenate([np.zeros((1, part.shape[1]), np.int32), np.cumsum(part, axis=0, dtype=np.int32)])
                   for part in parts]
-        for chunks in range(2, contracted + 1):
+        for chunks in range(fewest + _SUMMED_TRIES, contracted + 1):
             ends = np.cumsum(chunk_sizes(contracted, chunks))
             starts = ends - chunk_sizes(contracted, chunks)
             if all((p[ends] - p[starts]).max() <= limit for p in prefix):
@@ -285,14 +354,14 @@ def int4_values(value: np.ndarray, kernel: Int4Kernel) -> tuple[np.ndarray, np.n
     flat = np.asarray(tf.cast(value, kernel.variable_dtype)).reshape(kernel.rows, kernel.columns)
     zero = None
     if kernel.embedding and kernel.block_size is None:
-        q, scale = keras.quantizers.abs_max_quantize(flat, axis=-1, value_range=INT4_RANGE, to_numpy=True)
-        scale = np.squeeze(np.asarray(scale), axis=-1)
+        q, scale = abs_max_quantize(flat, (1,), INT4_RANGE)
+        scale = np.squeeze(scale, axis=-1)
     elif kernel.embedding:
         q, scale, zero = (np.asarray(t).T for t in keras.quantizers.abs_max_quantize_grouped_with_zero_point(
             flat.T, block_size=kernel.block_size, value_range=INT4_RANGE, to_numpy=True))
     elif kernel.block_size is None:
-        q, scale = keras.quantizers.abs_max_quantize(flat, axis=0, value_range=INT4_RANGE, to_numpy=True)
-        scale = np.squeeze(np.asarray(scale), axis=0)
+        q, scale = abs_max_quantize(flat, (0,), INT4_RANGE)
+        scale = np.squeeze(scale, axis=0)
     else:
         q, scale, zero = keras.quantizers.abs_max_quantize_grouped_with_zero_point(
             flat, block_size=kernel.block_size, value_range=INT4_RANGE, to_numpy=True)
