@@ -129,3 +129,20 @@ def test_abs_max_quantize_is_kerass_bit_for_bit(dtype, value_range):
     with np.errstate(invalid="ignore"):
         q, scale = quant_variables.abs_max_quantize(not_finite, (0,), value_range)
     assert q.dtype == np.int8 and scale.shape == (1, 2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_stored_float8_kernel_is_tensorflows_cast_chain(dtype):
+    """The stored float8 kernel (widened by table) equals the graph's Cast chain, NaN and infinities included."""
+    from tfpolicy.passes import quant_variables  # noqa: PLC0415
+
+    rng = np.random.default_rng(3)
+    kernel = (rng.normal(size=(64, 48)) * 300.0).astype(np.float32)
+    kernel[0, :6] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-9]
+    tf_dtype = tf.dtypes.as_dtype(dtype)
+    for scale in (quant_variables.float8_scale(np.float32(300.0)), np.asarray(np.float32(1.0))):
+        w, s = tf.cast(tf.constant(kernel), tf_dtype), tf.cast(tf.constant(scale, tf.float32), tf_dtype)
+        clipped = tf.clip_by_value(w / s, tf.constant(-448.0, tf_dtype), tf.constant(448.0, tf_dtype))
+        expected = (tf.cast(tf.cast(clipped, tf.dtypes.experimental.float8_e4m3fn), tf_dtype) * s).numpy()
+        ours = quant_variables.stored_float8_kernel(kernel, scale, tf_dtype.as_datatype_enum)
+        assert ours.dtype == expected.dtype and ours.tobytes() == expected.tobytes()
