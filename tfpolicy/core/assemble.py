@@ -75,7 +75,7 @@ class NewVariable:
     ``derived_from`` is the uid of a variable the output keeps whose value
     makes this one's (a float8 kernel's statistics): it is written just after
     that variable, whose value is then read once. ``companion`` makes a
-    small value computed with this one that the graph needs but the output
+    small value derived from this one that the graph needs but the output
     does not store (see :func:`tfpolicy.passes.quant_variables.build_variables`).
     """
 
@@ -95,13 +95,10 @@ class NewVariable:
 
     @classmethod
     def part(cls, name: str, shape, numpy_dtype, values: LazyValues, index: int,
-             replaces: Optional[int] = None, derived_from: Optional[int] = None,
-             companion: Optional[int] = None) -> "NewVariable":
-        """Value ``index`` of ``values`` (and value ``companion`` of them as its companion)."""
-        return cls(
-            name, tuple(int(d) for d in shape), np.dtype(numpy_dtype), lambda: values.get(index), replaces, derived_from,
-            None if companion is None else (lambda: values.get(companion)),
-        )
+             replaces: Optional[int] = None, derived_from: Optional[int] = None) -> "NewVariable":
+        """Value ``index`` of ``values``."""
+        return cls(name, tuple(int(d) for d in shape), np.dtype(numpy_dtype), lambda: values.get(index), replaces,
+                   derived_from)
 
     @property
     def value(self) -> np.ndarray:

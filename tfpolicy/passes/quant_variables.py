@@ -36,6 +36,10 @@ U8_SHIFT = 128
 """oneDNN's quantized matmul takes uint8 inputs: int8 values are shifted by 128 (see analysis/lowering.py)."""
 FLOAT32_EXACT_INTEGER = 2**24
 """Integers up to 2^24 are exact in float32: the bound for oneDNN's float32 bias add and for float32 matmuls of int8 values."""
+FLOAT_CHUNK_LIMIT = FLOAT32_EXACT_INTEGER // int(INT8_RANGE)
+"""A float32 matmul of int8 values is exact while each column's sum of ``|w|`` over a chunk stays within this."""
+U8_CHUNK_LIMIT = FLOAT32_EXACT_INTEGER // 255
+"""oneDNN's u8 x s8 sums stay exact while each column's positive (and negative) weights sum within this."""
 
 
 def build_variables(
@@ -56,7 +60,9 @@ def build_variables(
     whose companion is how many chunks the contraction is split into so that
     oneDNN's sums stay exact (:func:`u8_exact_chunks`); otherwise the int8
     kernel's companion is the chunks a float32 matmul of it needs
-    (:func:`float_exact_chunks`). ``derived``: a dict that keeps each
+    (:func:`float_exact_chunks`), known from the shape where no column can
+    reach the bound (a contraction of at most 1040), else counted on the int8
+    kernel once, when the pass asks. ``derived``: a dict that keeps each
     kernel's quantized values once made, for later rewrites of the same load
     (:attr:`tfpolicy.core.savedmodel_io.LoadedModel.derived`).
     """
@@ -67,15 +73,18 @@ def build_variables(
         onednn = lowering is not None and lowering.int8_matmul == "onednn" and kernel.uid in integer
         in_order = all(not s.integer.kernel_layout and not s.integer.transpose_kernel
                        for s in qplan.sites if s.variable_uid == kernel.uid and s.integer is not None)
-        values = LazyValues(_kept(derived, ("int8", kernel, onednn, in_order),
-                                  functools.partial(_int8_values, read_value, kernel, onednn, in_order)))
+        values = LazyValues(_kept(derived, ("int8", kernel, onednn),
+                                  functools.partial(_int8_values, read_value, kernel, onednn)))
         kept = [d for axis, d in enumerate(shape) if axis not in kernel.reduced_axes]
-        variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid,
-                                                  companion=None if onednn else 2)
+        chunks = _kept(derived, ("int8 chunks", kernel, onednn, in_order), functools.cache(
+            functools.partial(_int8_chunks, values, kernel.reduced_axes, onednn, in_order)))
+        if not onednn and _one_chunk_by_shape(shape, kernel.reduced_axes, FLOAT_CHUNK_LIMIT):
+            chunks = functools.partial(np.int32, 1)  # known from the shape: the pass need not quantize the kernel
+        variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid)
         variables[kernel.scale_name] = NewVariable.part(kernel.scale_name, kept, np.float32, values, 1)
         if onednn:
-            variables[kernel.correction_name] = NewVariable.part(kernel.correction_name, kept, np.int32, values, 2,
-                                                                 companion=3)
+            variables[kernel.correction_name] = NewVariable.part(kernel.correction_name, kept, np.int32, values, 2)
+        variables[kernel.correction_name if onednn else kernel.name].companion = chunks
     for kernel in sorted(qplan.int4_kernels.values(), key=lambda k: k.name):
         packed, scale = int4_shapes(kernel)
         values = LazyValues(_kept(derived, ("int4", kernel),
@@ -115,10 +124,9 @@ def _kept(derived: Optional[dict], key: tuple, compute: Callable[[], tuple]) -> 
     return kept
 
 
-def _int8_values(read_value, kernel, onednn: bool = False, in_order: bool = True) -> tuple[np.ndarray, ...]:
-    """``(int8 kernel, scale, float chunks)``: Keras's ``abs_max_quantize`` and :func:`float_exact_chunks`;
-    for the oneDNN lowering ``(int8 kernel, scale, u8 correction, u8 chunks)``: ``-128 x`` the kernel's
-    channel sums and :func:`u8_exact_chunks`."""
+def _int8_values(read_value, kernel, onednn: bool = False) -> tuple[np.ndarray, ...]:
+    """``(int8 kernel, scale)``: Keras's ``abs_max_quantize``; for the oneDNN lowering also the
+    u8 correction, ``-128 x`` the kernel's channel sums."""
     # As Keras's ``quantize("int8")`` calls it: on the kernel as the layer stores it (a bfloat16
     # policy's kernel is bfloat16), in numpy arithmetic of that dtype. The scale is stored in float32,
     # which holds a bfloat16 or float16 scale exactly.
@@ -126,9 +134,16 @@ def _int8_values(read_value, kernel, onednn: bool = False, in_order: bool = True
     q, scale = abs_max_quantize(stored, kernel.reduced_axes)
     scale = np.squeeze(scale, axis=kernel.reduced_axes).astype(np.float32)
     if not onednn:
-        return q, scale, np.int32(float_exact_chunks(q, kernel.reduced_axes, in_order))
+        return q, scale
     correction = np.int32(-U8_SHIFT) * q.astype(np.int32).sum(axis=kernel.reduced_axes, dtype=np.int32)
-    return q, scale, correction.astype(np.int32), np.int32(u8_exact_chunks(q, kernel.reduced_axes, in_order))
+    return q, scale, correction.astype(np.int32)
+
+
+def _int8_chunks(values: LazyValues, reduced_axes: tuple[int, ...], onednn: bool, in_order: bool) -> np.int32:
+    """The chunks the graph splits the kernel's contraction into: :func:`u8_exact_chunks` for the
+    oneDNN lowering, else :func:`float_exact_chunks` (of the int8 kernel, made for it)."""
+    exact_chunks = u8_exact_chunks if onednn else float_exact_chunks
+    return np.int32(exact_chunks(values.get(0), reduced_axes, in_order))
 
 
 def abs_max_quantize(values: np.ndarray, axes: tuple[int, ...],
@@ -201,9 +216,9 @@ def u8_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: bool
     largest weights of a column wherever they lie. Most kernels need one; a
     long contraction of large weights of one sign needs more.
     """
-    limit = FLOAT32_EXACT_INTEGER // 255
-    if _contracted(q, reduced_axes) * int(INT8_RANGE) <= limit:
-        return 1  # every |w| at most 127: no column can get near
+    limit = U8_CHUNK_LIMIT
+    if _one_chunk_by_shape(q.shape, reduced_axes, limit):
+        return 1
     sums, magnitudes = _column_totals(q, reduced_axes)
     if max(int(np.max((magnitudes + sums) // 2, initial=0)), int(np.max((magnitudes - sums) // 2, initial=0))) <= limit:
         return 1  # the common case, without an int64 copy of the kernel
@@ -224,17 +239,22 @@ def float_exact_chunks(q: np.ndarray, reduced_axes: tuple[int, ...], in_order: b
     (the worst case, every ``|w| = 127``, needs chunks of 1040).
     ``in_order`` as for :func:`u8_exact_chunks`.
     """
-    limit = FLOAT32_EXACT_INTEGER // int(INT8_RANGE)
-    if _contracted(q, reduced_axes) * int(INT8_RANGE) <= limit:
-        return 1  # every |w| at most 127: no column can get near
+    limit = FLOAT_CHUNK_LIMIT
+    if _one_chunk_by_shape(q.shape, reduced_axes, limit):
+        return 1
     if int(np.max(_column_totals(q, reduced_axes)[1], initial=0)) <= limit:
         return 1  # the common case, without an int64 copy of the kernel
     return _fewest_chunks((np.abs(_columns(q, reduced_axes)),), limit, in_order and _leading(reduced_axes))
 
 
-def _contracted(q: np.ndarray, reduced_axes: tuple[int, ...]) -> int:
-    """How many values of ``q`` each column sums (its sum of ``|q|`` is at most 127 times that)."""
-    return int(np.prod([q.shape[a] for a in reduced_axes]))
+def _contracted(shape: tuple[int, ...], reduced_axes: tuple[int, ...]) -> int:
+    """How many values each column of a kernel of ``shape`` sums."""
+    return int(np.prod([shape[a] for a in reduced_axes]))
+
+
+def _one_chunk_by_shape(shape: tuple[int, ...], reduced_axes: tuple[int, ...], limit: int) -> bool:
+    """Whether no column's sum of ``|q|`` (each at most 127) can pass ``limit``, whatever the values."""
+    return _contracted(shape, reduced_axes) * int(INT8_RANGE) <= limit
 
 
 def _column_totals(q: np.ndarray, reduced_axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -249,7 +269,8 @@ def _leading(reduced_axes: tuple[int, ...]) -> bool:
 
 def _columns(q: np.ndarray, reduced_axes: tuple[int, ...]) -> np.ndarray:
     """``q`` as (contracted, columns), int32 (a sum over a contraction of int8 values fits)."""
-    return np.moveaxis(q, reduced_axes, range(len(reduced_axes))).reshape(_contracted(q, reduced_axes), -1).astype(np.int32)
+    leading = np.moveaxis(q, reduced_axes, range(len(reduced_axes)))
+    return leading.reshape(_contracted(q.shape, reduced_axes), -1).astype(np.int32)
 
 
 _SUMMED_TRIES = 4
