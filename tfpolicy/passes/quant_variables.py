@@ -76,10 +76,11 @@ def build_variables(
         values = LazyValues(_kept(derived, ("int8", kernel, onednn),
                                   functools.partial(_int8_values, read_value, kernel, onednn)))
         kept = [d for axis, d in enumerate(shape) if axis not in kernel.reduced_axes]
-        chunks = _kept(derived, ("int8 chunks", kernel, onednn, in_order), functools.cache(
-            functools.partial(_int8_chunks, values, kernel.reduced_axes, onednn, in_order)))
         if not onednn and _one_chunk_by_shape(shape, kernel.reduced_axes, FLOAT_CHUNK_LIMIT):
             chunks = functools.partial(np.int32, 1)  # known from the shape: the pass need not quantize the kernel
+        else:
+            chunks = _kept(derived, ("int8 chunks", kernel, onednn, in_order), functools.cache(
+                functools.partial(_int8_chunks, values, kernel.reduced_axes, onednn, in_order)))
         variables[kernel.name] = NewVariable.part(kernel.name, shape, np.int8, values, 0, replaces=kernel.uid)
         variables[kernel.scale_name] = NewVariable.part(kernel.scale_name, kept, np.float32, values, 1)
         if onednn:
@@ -140,8 +141,8 @@ def _int8_values(read_value, kernel, onednn: bool = False) -> tuple[np.ndarray, 
 
 
 def _int8_chunks(values: LazyValues, reduced_axes: tuple[int, ...], onednn: bool, in_order: bool) -> np.int32:
-    """The chunks the graph splits the kernel's contraction into: :func:`u8_exact_chunks` for the
-    oneDNN lowering, else :func:`float_exact_chunks` (of the int8 kernel, made for it)."""
+    """The chunks the graph splits the kernel's contraction into, counted on its int8 values:
+    :func:`u8_exact_chunks` for the oneDNN lowering, else :func:`float_exact_chunks`."""
     exact_chunks = u8_exact_chunks if onednn else float_exact_chunks
     return np.int32(exact_chunks(values.get(0), reduced_axes, in_order))
 
@@ -187,6 +188,7 @@ def _round_to_bfloat16(wide: np.ndarray) -> None:
 
 
 def _round_to_float16(wide: np.ndarray) -> None:
+    """Round float32 ``wide`` in place to the nearest float16, by numpy's conversion (to nearest, ties to even)."""
     wide[...] = wide.astype(np.float16)
 
 
