@@ -16,6 +16,7 @@ import tensorflow as tf
 import keras
 import tfpolicy
 from model_zoo import apply_policy_map_natively, run_signature
+from tfpolicy.core import savedmodel_io
 
 pytestmark = pytest.mark.slow  # quantized models against Keras, under XLA too
 
@@ -222,6 +223,12 @@ def test_float8_calibration_cuts_the_error_4x_on_a_transformer(zoo, outputs):
     assert scales["mha/value/inputs_scale"] != 1.0
     assert scales["mha/value/inputs_amax_history"][0] > 448  # the inputs exceed float8's range
     assert _variables(plain)["mha/value/inputs_scale"] == 1.0
+    assert any("--calibrate_function" in w for w in plain_report.warnings)
+    for out in (plain, calibrated):  # not asked for: neither carries tfpolicy.calibrate
+        loaded = tf.saved_model.load(str(out))
+        assert loaded.tfpolicy.variables and not hasattr(loaded.tfpolicy, "calibrate")
+        functions = savedmodel_io.read_meta_graph(out).graph_def.library.function
+        assert not [n for f in functions for n in f.node_def if n.op == "AssignVariableOp"]  # no update ops at all
 
 
 @pytest.mark.parametrize("length", [16, None], ids=["16", "default_1024"])
@@ -266,8 +273,10 @@ def test_float8_kernel_is_stored_quantize_dequantized_off_the_gpu(zoo, tmp_path)
 
 
 def test_recalibration_survives_save_and_reload(zoo, outputs, tmp_path):
+    """Asked for, the output carries tfpolicy.calibrate, and a model it recalibrates can be saved and reloaded."""
     block = zoo.get("keras3_transformer")
-    out, _ = outputs.get("keras3_transformer", TRANSFORMER_FLOAT8, "tf8_plain")
+    out, report = outputs.get("keras3_transformer", TRANSFORMER_FLOAT8, "tf8_recalibratable", calibrate_function=True)
+    assert not any("--calibrate_function" in w for w in report.warnings)
     loaded = tf.saved_model.load(str(out))
     before = {v.name: v.numpy() for v in loaded.tfpolicy.variables}
     new_scales = loaded.tfpolicy.calibrate(**{k: tf.constant(v) for k, v in _transformer_inputs(7).items()})

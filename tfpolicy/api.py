@@ -74,6 +74,7 @@ def rewrite(
     target: Optional[str] = None,
     serving_checks: bool = True,
     int8_convolutions: bool = False,
+    calibrate_function: bool = False,
 ) -> Report:
     """Write a copy of the SavedModel at ``input_dir`` with ``policy_map`` applied.
 
@@ -86,7 +87,10 @@ def rewrite(
     ``serving_default`` signature. Batches are read one at a time as they
     run (the first before any model work); at most ``calibration_batches``
     are run, and ``calibration_progress(done, total)`` is called after each
-    (``total`` is None when the data's length is unknown).
+    (``total`` is None when the data's length is unknown). With
+    ``calibrate_function``, a float8 output also carries
+    ``tfpolicy.calibrate(**inputs)``, to recalibrate it later (a second copy
+    of the forward pass, with the updates: more to write and to load).
 
     ``target`` ("gpu", "tpu", "cpu") refuses dtypes the target cannot run (a
     TPU: float16, float8, float64). Unless ``serving_checks=False``, the saved
@@ -110,7 +114,7 @@ def rewrite(
     batches = _calibration_batches(calibration_data, calibration_batch_size, calibration_batches)
     with StrictWarnings(strict) as warned:
         return _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned, batches, calibration_data,
-                        calibration_progress, target, serving_checks, int8_convolutions)
+                        calibration_progress, target, serving_checks, int8_convolutions, calibrate_function)
 
 
 @dataclasses.dataclass
@@ -156,17 +160,22 @@ def rewrite_in_memory(
 
 
 def _build(input_path, output_path, policy_map, signatures, warned: StrictWarnings, batches, calibration_data,
-           calibration_progress, target, int8_convolutions, model=None) -> tuple[_State, assemble.Assembled]:
-    """Load (unless ``model`` is given), plan, run the passes, assemble and calibrate: everything before saving."""
+           calibration_progress, target, int8_convolutions, model=None,
+           calibrate_function: bool = False) -> tuple[_State, assemble.Assembled]:
+    """Load (unless ``model`` is given), plan, run the passes, assemble and calibrate: everything before saving.
+
+    The calibration function is built when there are batches to run it on or the output is to carry it.
+    """
     state = _run(input_path, output_path, policy_map, signatures, target, int8_convolutions, model=model)
     warned.check()
     logger.info("rebuilding %d signature(s)", len(state.model.signatures))
     built = assemble.assemble(
-        state.model, state.variable_dtypes, state.new_variables, state.passes.new_captures, state.passes.calibration,
-        xla_signatures=_xla_signatures(state),
+        state.model, state.variable_dtypes, state.new_variables, state.passes.new_captures,
+        state.passes.calibration if batches is not None or calibrate_function else None,
+        xla_signatures=_xla_signatures(state), carry_calibrate=calibrate_function,
     )
     if state.qplan.float8_groups:
-        _calibrate(built, state, state.report, batches, calibration_progress)
+        _calibrate(built, state, state.report, batches, calibration_progress, calibrate_function)
     elif calibration_data is not None:
         state.report.warnings.append("calibration data given but no layer is float8; it was not used")
         logger.warning(state.report.warnings[-1])
@@ -182,10 +191,11 @@ def _quantization(state: _State, built: assemble.Assembled) -> list:
 
 
 def _rewrite(input_path, output_path, policy_map, signatures, overwrite, warned: StrictWarnings, batches,
-             calibration_data, calibration_progress, target, serving_checks, int8_convolutions) -> Report:
+             calibration_data, calibration_progress, target, serving_checks, int8_convolutions,
+             calibrate_function) -> Report:
     """:func:`rewrite` after its arguments are checked; ``warned.check()`` wherever --strict must stop it."""
     state, built = _build(input_path, output_path, policy_map, signatures, warned, batches, calibration_data,
-                          calibration_progress, target, int8_convolutions)
+                          calibration_progress, target, int8_convolutions, calibrate_function=calibrate_function)
     report = state.report
     logger.info("saving to %s", output_path)
 
@@ -453,11 +463,14 @@ def _calibration_batches(data, batch_size: int, max_batches: Optional[int]) -> O
     return inputs.BatchStream(data, what="calibration data", batch_size=batch_size, max_batches=max_batches)
 
 
-def _calibrate(built, state: _State, report: Report, batches: Optional[inputs.BatchStream], progress) -> None:
+def _calibrate(built, state: _State, report: Report, batches: Optional[inputs.BatchStream], progress,
+               carried: bool = False) -> None:
     groups = sorted(g.prefix for g in state.qplan.float8_groups.values())
     if batches is None:
+        later = "" if carried else "; give --calibration_data, or --calibrate_function to calibrate the output later"
         report.warnings.append(
-            "float8 layers without calibration data keep input scale 1 (Keras's initial state): " + ", ".join(groups)
+            f"float8 layers without calibration data keep input scale 1 (Keras's initial state{later}): "
+            + ", ".join(groups)
         )
         logger.warning(report.warnings[-1])
         return

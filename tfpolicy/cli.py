@@ -49,6 +49,9 @@ flags.DEFINE_string("calibration_data", None, "float8 calibration inputs: an .np
                     "serving_default signature's input names, batch first (strings as bytes arrays).")
 flags.DEFINE_integer("calibration_batches", None, "Run at most this many calibration batches.", lower_bound=1)
 flags.DEFINE_integer("calibration_batch_size", 32, "Rows of --calibration_data per calibration batch.", lower_bound=1)
+flags.DEFINE_bool("calibrate_function", False, "Also write tfpolicy.calibrate(**inputs) into a float8 output, to"
+                  " recalibrate its input scales later from the loaded model (a second copy of the forward pass:"
+                  " more to write and to load).")
 flags.DEFINE_string("serving_base", None, "Export for TF Serving: write the model to SERVING_BASE/<version>/, atomically,"
                     " instead of OUTPUT (then only INPUT is given).")
 flags.DEFINE_integer("serving_version", None, "With --serving_base: the version to write (default: one more than the highest"
@@ -285,7 +288,7 @@ def _rewrite(input_dir: str, output_dir: str, started: float) -> Report:
         signatures=FLAGS.signatures, overwrite=FLAGS.overwrite, strict=FLAGS.strict,
         calibration_data=batches, calibration_batches=FLAGS.calibration_batches,
         calibration_progress=progress, target=FLAGS.target, serving_checks=FLAGS.serving_checks,
-        int8_convolutions=FLAGS.int8_convolutions,
+        int8_convolutions=FLAGS.int8_convolutions, calibrate_function=FLAGS.calibrate_function,
     )
     _summary(f"wrote {output_dir} in {time.monotonic() - started:.1f}s: " + _counts(report))
     if report.lowering is not None:
@@ -306,6 +309,7 @@ def _export(input_dir: str, started: float) -> tuple[Report, Optional[Validation
         warmup_examples=FLAGS.warmup_data, signatures=FLAGS.signatures, strict=FLAGS.strict, target=FLAGS.target,
         serving_checks=FLAGS.serving_checks, validate=FLAGS.validate, validation_data=FLAGS.validation_data,
         max_error=FLAGS.max_error, int8_convolutions=FLAGS.int8_convolutions,
+        calibrate_function=FLAGS.calibrate_function,
     )
     warmup = f", {result.warmup_records} warmup requests" if result.warmup_records else ""
     _summary(f"exported version {result.version} to {result.path} in {time.monotonic() - started:.1f}s{warmup}: "

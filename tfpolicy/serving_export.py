@@ -70,7 +70,8 @@ def export(input_dir: PathLike, export_base: PathLike, policy_map: PolicyMapSour
     ``assets.extra/tf_serving_warmup_requests``: an npz file or a dict gives
     one request per row, an iterable one request per element; the others
     (``calibration_data``, ``signatures``, ``strict``, ``target``,
-    ``serving_checks``, ``int8_convolutions``, ...) are :func:`tfpolicy.rewrite`'s.
+    ``serving_checks``, ``int8_convolutions``, ``calibrate_function``, ...) are
+    :func:`tfpolicy.rewrite`'s.
     """
     return export_with_report(input_dir, export_base, policy_map, **options).path
 
@@ -93,6 +94,7 @@ def export_with_report(
     validation_data: Optional[inputs.InputSource] = None,
     max_error: Optional[float] = None,
     int8_convolutions: bool = False,
+    calibrate_function: bool = False,
 ) -> ExportResult:
     """:func:`export`, returning the report too; with ``validate``, validates before publishing.
 
@@ -118,7 +120,8 @@ def export_with_report(
             options["calibration_progress"] = calibration_progress
         report = api.rewrite(
             input_path, staged, policy_map, signatures=signatures, strict=strict, target=target,
-            serving_checks=serving_checks, int8_convolutions=int8_convolutions, **options,
+            serving_checks=serving_checks, int8_convolutions=int8_convolutions,
+            calibrate_function=calibrate_function, **options,
         )
         if requests:
             write_warmup_requests(staged, requests, model_name=base.resolve().name)

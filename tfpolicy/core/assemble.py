@@ -6,7 +6,7 @@
     ├── tfpolicy_resources       tables and assets of the input, kept alive
     └── tfpolicy                 (only when a policy quantizes)
         ├── variables            exactly the variables the quantization added
-        └── calibrate(**inputs)  float8 only: updates input histories and scales
+        └── calibrate(**inputs)  float8, on request: updates input histories and scales
 
 Variables come in three kinds: kept (the loaded ones, unchanged), converted
 (a float variable stored in another float dtype) and new (int8 and int4 kernels,
@@ -158,10 +158,14 @@ def assemble(
     new_captures: dict[str, dict[str, str]],
     calibration: Optional[tuple[str, dict[str, TensorRef]]] = None,
     xla_signatures: frozenset[str] = frozenset(),
+    carry_calibrate: bool = False,
 ) -> Assembled:
     """Build the root; ``calibration`` is (signature key, calibrate outputs) or None.
 
-    The functions of ``xla_signatures`` are marked for XLA compilation.
+    The functions of ``xla_signatures`` are marked for XLA compilation. The
+    calibration function is built when ``calibration`` is given (to calibrate
+    now, :attr:`Assembled.calibrate`) and saved with the root only when
+    ``carry_calibrate``.
     """
     producers: dict[int, Callable[[], tf.Tensor]] = {}
 
@@ -214,7 +218,7 @@ def assemble(
         setattr(root, _attribute_name(key), function)
     if created:
         root.tfpolicy = QuantizationModule([created[name] for name in sorted(created)])
-        if calibrate is not None:
+        if calibrate is not None and carry_calibrate:
             root.tfpolicy.calibrate = calibrate
     return Assembled(root, functions, created, calibrate, producers, model.checkpoint, bound)
 
