@@ -474,6 +474,17 @@ def test_float8_calibration_from_an_npz_file(model_dir, tmp_path: pathlib.Path) 
     history = values["dense/inputs_amax_history:0"]
     np.testing.assert_allclose([history[0], history[-1]], [np.abs(features[4:8]).max(), np.abs(features[:4]).max()], rtol=1e-2)
     assert not history[1:-1].any()
+    assert not hasattr(loaded.tfpolicy, "calibrate")  # not asked for
+
+
+def test_calibrate_function_flag_writes_tfpolicy_calibrate(model_dir, tmp_path: pathlib.Path) -> None:
+    name = write_json(tmp_path / "float8.json", FLOAT8_MAP)
+    result = run_cli(["--map", name, "--calibrate_function", "--quiet", str(model_dir), "out"], tmp_path)
+    assert result.returncode == 0, describe(result)
+    loaded = tf.saved_model.load(str(tmp_path / "out"))
+    features = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32) * 50
+    scales = loaded.tfpolicy.calibrate(features=tf.constant(features))
+    assert scales["dense/inputs_scale"].numpy() != 1.0
 
 
 def test_installed_console_script_runs_the_readme_example(tmp_path: pathlib.Path) -> None:
