@@ -106,11 +106,10 @@ def test_float8_kernel_statistics_are_kerass_formulas_bit_for_bit(amax):
 @pytest.mark.parametrize("value_range", [(-127, 127), (-8, 7)])
 def test_abs_max_quantize_is_kerass_bit_for_bit(dtype, value_range):
     """The float32-pass abs_max_quantize gives Keras's numpy one's values and scales, in Keras's dtypes."""
-    from tfpolicy.core.tf_names import numpy_dtype  # noqa: PLC0415
     from tfpolicy.passes import quant_variables  # noqa: PLC0415
 
     rng = np.random.default_rng(7)
-    np_dtype = np.dtype(numpy_dtype(tf.dtypes.as_dtype(dtype).as_datatype_enum))
+    np_dtype = np.dtype(tf.dtypes.as_dtype(dtype).as_numpy_dtype)
     cases = []
     for shape, axes in (((96, 40), (0,)), ((12, 5, 33), (0, 1)), ((33, 12, 4), (0,)), ((40, 96), (1,))):
         for magnitude in (0.02, 1.0, 300.0, 1e-3):

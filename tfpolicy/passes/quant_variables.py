@@ -287,16 +287,19 @@ def _fewest_chunks(parts: tuple[np.ndarray, ...], limit: int, in_order: bool) ->
         return 1
     if in_order:
         fewest = max(2, -(-total // limit))  # no fewer chunks can hold the largest column's sum
-        for chunks in range(fewest, min(fewest + _SUMMED_TRIES, contracted + 1)):  # the usual case: one sum each
-            starts = np.cumsum([0] + chunk_sizes(contracted, chunks)[:-1])
-            if all(np.add.reduceat(part, starts, axis=0).max() <= limit for part in parts):
-                return chunks
-        prefix = [np.concatenate([np.zeros((1, part.shape[1]), np.int32), np.cumsum(part, axis=0, dtype=np.int32)])
-                  for part in parts]
-        for chunks in range(fewest + _SUMMED_TRIES, contracted + 1):
-            ends = np.cumsum(chunk_sizes(contracted, chunks))
-            starts = ends - chunk_sizes(contracted, chunks)
-            if all((p[ends] - p[starts]).max() <= limit for p in prefix):
+        prefix = None
+        for chunks in range(fewest, contracted + 1):
+            sizes = chunk_sizes(contracted, chunks)
+            ends = np.cumsum(sizes)
+            starts = ends - sizes
+            if chunks < fewest + _SUMMED_TRIES:  # the usual case: each chunk summed, one pass
+                sums = [np.add.reduceat(part, starts, axis=0) for part in parts]
+            else:
+                if prefix is None:
+                    prefix = [np.concatenate([np.zeros((1, part.shape[1]), np.int32),
+                                              np.cumsum(part, axis=0, dtype=np.int32)]) for part in parts]
+                sums = [p[ends] - p[starts] for p in prefix]
+            if all(chunk_sums.max() <= limit for chunk_sums in sums):
                 return chunks
         return contracted
     # Wherever a chunk of n lies: each column's n largest values of a part, for every n.
