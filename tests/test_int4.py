@@ -29,8 +29,15 @@ def _embedding():
     return keras.Model(tokens, keras.layers.Dense(4, name="out")(x))
 
 
+def _short_last_block():
+    """Kernels packed in halves of rows (even rows, columns a multiple of 4); 12 rows are a block of 8 and one of 4."""
+    inputs = keras.Input((12,))
+    x = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(4, name="out")(x))
+
+
 QUANTIZABLE = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
-BUILDERS = {**QUANT_BUILDERS, "embedding": _embedding}
+BUILDERS = {**QUANT_BUILDERS, "embedding": _embedding, "short_last_block": _short_last_block}
 BLOCKS = {"per_channel": -1, "block8": 8, "block4096": 4096}
 
 
@@ -112,9 +119,22 @@ def test_int4_variables_are_kerass_packed_bytes_scales_and_zero_points(cases, na
                 if v.path.rsplit("/", 1)[-1] in ("kernel", "embeddings", "kernel_scale", "embeddings_scale",
                                                   "kernel_zero", "embeddings_zero")}
     assert expected and set(expected) <= set(stored), (sorted(expected), sorted(stored))
+    float_shapes = {w.path: tuple(w.shape) for w in keras.models.clone_model(case.build()).weights}
+    halves = []
     for path, value in expected.items():
         assert stored[path].dtype == value.dtype, path
-        np.testing.assert_array_equal(stored[path].reshape(value.shape), value, err_msg=path)
+        if stored[path].size == value.size and np.array_equal(stored[path].reshape(value.shape), value):
+            continue  # Keras's bytes
+        # A matmul kernel packed in halves of rows, as q + 8: Keras's values all the same.
+        assert path.endswith("/kernel"), path
+        packed = stored[path].view(np.uint8)
+        q = np.concatenate([packed & 0x0F, packed >> 4]).astype(np.int8) - 8
+        columns = int(np.prod(float_shapes[path])) // value.shape[0]  # Keras packs (rows, columns) along columns
+        kerass = np.asarray(keras.quantizers.unpack_int4(value, columns, axis=-1))
+        np.testing.assert_array_equal(q, kerass.reshape(q.shape), err_msg=path)
+        halves.append(path)
+    # Every EinsumDense kernel here has even rows and columns a multiple of 4; an embedding table keeps Keras's layout.
+    assert (len(halves) == 3) if name == "einsum_static" else all("embedding" not in p for p in halves), halves
     assert all(v.dtype == np.int8 for p, v in stored.items() if p.endswith(("/kernel", "/embeddings")))
 
 
@@ -152,8 +172,10 @@ def test_int4_forms_are_reported_and_every_kernel_read_is_int8(cases, name):
     graph_def = tf.saved_model.load(str(case.out)).signatures["serving_default"].graph.as_graph_def()
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
     by_name = {n.name: n for n in nodes}
-    # One unpack of packed bytes per kernel read: the bytes viewed as uint8 index the nibble-pair table.
-    unpacks = [n for n in nodes if n.op == "Bitcast" and n.name.endswith("/bytes")]
+    # One unpack of packed bytes per kernel read: in Keras's layout (gathered rows) the bytes viewed as uint8
+    # index the nibble-pair table; a kernel packed in halves of rows is viewed as uint32 words.
+    unpacks = [n for n in nodes if n.op == "Bitcast" and n.name.endswith(("/bytes", "/words"))]
+    assert not [n for n in nodes if n.op == "GatherV2" and "nibble" in n.input[0]] if name == "einsum_dynamic" else True
     assert len(unpacks) == len(case.report.quantization)
     assert not [n for n in nodes if n.op == "Pack" and n.attr["T"].type == tf.int8.as_datatype_enum]  # one element at a time
     for unpack in unpacks:

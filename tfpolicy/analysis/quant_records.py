@@ -117,6 +117,13 @@ class Int4Kernel:
     has one float32 per column (matmul) or per row (embedding); with
     ``block_size``, ``<name>_scale`` and the int8 ``<name>_zero`` have one per
     block and column, as Keras's ``abs_max_quantize_grouped_with_zero_point``.
+
+    A matmul kernel that no gather reads, with even rows and columns a
+    multiple of 4 (``row_halves``), is packed for fast unpacking instead:
+    ``(rows / 2, columns)``, each byte holding a row of the first half in its
+    low nibble and the same row of the second half in its high one, as ``q +
+    8`` (0..15), so that unpacking is two masks and a concatenation on 32-bit
+    words (:meth:`tfpolicy.passes.int4.Int4Rewrites._unpack_row_halves`).
     """
 
     uid: int
@@ -127,6 +134,7 @@ class Int4Kernel:
     block_size: Optional[int]  # None: per channel
     reduced_rank: int = 1  # how many leading axes are contracted (the embedding's: its rows)
     variable_dtype: str = "float32"  # the layer's policy's: Keras quantizes the kernel as stored in it
+    row_halves: bool = False  # packed in halves of rows, as q + 8 (see above); else as Keras packs it
 
     @property
     def rows(self) -> int:

@@ -331,13 +331,17 @@ def _int8_kernels(sites: list[Site], index: LayerIndex, plan: Plan) -> dict[int,
 
 def _int4_kernels(sites: list[Site], index: LayerIndex, plan: Plan) -> dict[int, Int4Kernel]:
     kernels = {}
+    gathered = {site.variable_uid for site in sites if site.mode == "int4" and site.contraction.kind == "gather"}
     for site in sites:
         if site.mode == "int4" and site.variable_uid not in kernels:
             info: VariableInfo = index.variables[site.variable_uid]
-            kernels[site.variable_uid] = Int4Kernel(
+            kernel = Int4Kernel(
                 info.uid, info.name, site.layer, tuple(int(d) for d in info.shape), site.contraction.kind == "gather",
                 plan.for_layer(site.layer).block_size, 1 if site.contraction.kind == "gather" else len(site.kernel_reduced_axes),
                 plan.for_layer(site.layer).variable_dtype)
+            # Gathered rows keep Keras's layout; a kernel unpacked whole unpacks faster from halves of rows.
+            row_halves = info.uid not in gathered and kernel.rows % 2 == 0 and kernel.columns % 4 == 0
+            kernels[site.variable_uid] = dataclasses.replace(kernel, row_halves=row_halves)
     return kernels
 
 

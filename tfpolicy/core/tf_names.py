@@ -32,6 +32,7 @@ DT_INT8 = types_pb2.DT_INT8
 DT_INT32 = types_pb2.DT_INT32
 DT_UINT8 = types_pb2.DT_UINT8
 DT_UINT16 = types_pb2.DT_UINT16
+DT_UINT32 = types_pb2.DT_UINT32
 DT_QINT8 = types_pb2.DT_QINT8
 DT_QUINT8 = types_pb2.DT_QUINT8
 DT_QINT32 = types_pb2.DT_QINT32

@@ -368,7 +368,7 @@ def float8_scale(amax: np.float32) -> np.ndarray:
 
 def int4_shapes(kernel: Int4Kernel) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(packed kernel shape, scale and zero point shape)``, as :func:`int4_values` makes them."""
-    packed = (kernel.rows, (kernel.columns + 1) // 2)
+    packed = (kernel.rows // 2, kernel.columns) if kernel.row_halves else (kernel.rows, (kernel.columns + 1) // 2)
     if kernel.block_size is None:
         return packed, (kernel.rows,) if kernel.embedding else (kernel.columns,)
     if kernel.embedding:
@@ -385,9 +385,11 @@ def int4_values(value: np.ndarray, kernel: Int4Kernel) -> tuple[np.ndarray, np.n
     A matmul kernel is flattened to ``(rows, columns)`` and quantized per column
     (``abs_max_quantize`` over axis 0) or per block of rows with a zero point, as
     Dense and EinsumDense do; an embedding table per row or per block of
-    columns, as Embedding does. Values are packed along the last axis. As
-    Keras quantizes it: the kernel as the layer stores it (in the policy's
-    variable dtype), in numpy arithmetic of that dtype.
+    columns, as Embedding does. Values are packed along the last axis, by
+    Keras's ``pack_int4``, or in halves of rows (``kernel.row_halves``:
+    :func:`pack_int4_row_halves`). As Keras quantizes it: the kernel as the
+    layer stores it (in the policy's variable dtype), in numpy arithmetic of
+    that dtype.
     """
     flat = np.asarray(tf.cast(value, kernel.variable_dtype)).reshape(kernel.rows, kernel.columns)
     zero = None
@@ -403,6 +405,17 @@ def int4_values(value: np.ndarray, kernel: Int4Kernel) -> tuple[np.ndarray, np.n
     else:
         q, scale, zero = keras.quantizers.abs_max_quantize_grouped_with_zero_point(
             flat, block_size=kernel.block_size, value_range=INT4_RANGE, to_numpy=True)
-    packed, _, _ = keras.quantizers.pack_int4(np.asarray(q, np.int8), axis=-1)
+    if kernel.row_halves:
+        packed = pack_int4_row_halves(np.asarray(q, np.int8))
+    else:
+        packed, _, _ = keras.quantizers.pack_int4(np.asarray(q, np.int8), axis=-1)
     return (np.asarray(packed, np.int8), np.ascontiguousarray(scale, np.float32),
             None if zero is None else np.ascontiguousarray(zero, np.int8))
+
+
+def pack_int4_row_halves(q: np.ndarray) -> np.ndarray:
+    """int4 values ``q`` (rows, columns), rows even, as ``(rows / 2, columns)`` bytes: row ``i`` of the first half
+    in the low nibble and row ``i`` of the second half in the high one, each as ``q + 8`` (0..15)."""
+    offset = (q.astype(np.int16) + 8).astype(np.uint8)
+    half = q.shape[0] // 2
+    return (offset[:half] | (offset[half:] << 4)).view(np.int8)
