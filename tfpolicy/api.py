@@ -27,6 +27,7 @@ from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import PassManager
 from tfpolicy.passes.calibration import CalibrationPass
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
+from tfpolicy.passes.read_dtype import storable_in_read_dtype, store_in_read_dtype
 from tfpolicy.passes.function_args import FunctionArgs
 from tfpolicy.passes.quant_variables import build_variables
 from tfpolicy.passes.quantize import CalibrationTaps, QuantizePass
@@ -317,6 +318,11 @@ def _run(input_path, output_path, policy_map, signatures, target=None, int8_conv
     limits = {key: index_limits.integer_limits(program, index) for key, program in model.signatures.items()}
     limits.update({alias: limits[key] for alias, key in model.aliases.items()})
     passes = _run_passes(model, index, the_plan, qplan, variable_dtypes, new_variables, chosen)
+    # float32 variables read only as bfloat16 (float16) are stored so: the same bits, half the bytes, no Casts.
+    replaced = {spec.replaces for spec in new_variables.values() if spec.replaces is not None}
+    narrowed = storable_in_read_dtype(model, index, skip=set(variable_dtypes) | set(qplan.integer_kernels) | replaced)
+    store_in_read_dtype(model, index, narrowed)
+    variable_dtypes.update(narrowed)
     clamped = sum(s.constants_clamped for s in passes.signature_reports)
     if clamped:
         warnings.append(

@@ -53,7 +53,7 @@ from tfpolicy.analysis.layer_index import LayerIndex
 from tfpolicy.analysis.lowering import ONEDNN_INT8_MATMUL, Lowering
 from tfpolicy.analysis.lowering import choose as choose_lowering
 from tfpolicy.analysis.quant_records import IntegerMatmul
-from tfpolicy.analysis.quant_sites import READ_THROUGH, Float8Group, Int8Kernel, QuantPlan, Site
+from tfpolicy.analysis.quant_sites import Float8Group, Int8Kernel, QuantPlan, Site
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.tf_names import DT_BFLOAT16, DT_FLOAT, DT_QINT8, DT_QINT32, DT_QUINT8, DT_STRING, DT_UINT8
 from tfpolicy.core.tf_names import TensorRef
@@ -65,6 +65,7 @@ from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.core.tf_names import type_list_attr as _types
 from tfpolicy.passes import PassResult
 from tfpolicy.passes.float8_rounding import clip_and_round_to_float8
+from tfpolicy.passes.read_dtype import read_in
 from tfpolicy.passes.function_args import FunctionArgs
 from tfpolicy.passes.int4 import Int4Rewrites
 from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the formulas' constants, the variables)
@@ -152,7 +153,7 @@ class QuantizePass(Int4Rewrites):
         self._tokens: dict[str, tuple[TensorRef, TensorRef]] = {}  # input -> (integer values, scale)
         self._token_forms: dict[tuple[str, str], TensorRef] = {}  # (integer values, form) -> int8/float32/quint8
         self._int8_consumers: set[str] = set()  # nodes that read an int8 (or packed int4) kernel as such
-        self._unpacked: dict[str, TensorRef] = {}  # int4 kernel read -> its int8 values
+        self._unpacked: dict[tuple[str, int], TensorRef] = {}  # (int4 kernel read, offset) -> its int8 values
         self._int8_dot_guard: Optional[str] = None  # the Assert that oneDNN's int8 dot is exact here (onednn form)
 
     def run(self) -> PassResult[QuantizeResult]:
@@ -590,24 +591,8 @@ class QuantizePass(Int4Rewrites):
 
             ReadVariableOp:f32 -> Cast(bf16) -> [Reshape] -> MatMul    becomes    ReadVariableOp:bf16 -> [Reshape] -> MatMul
         """
-        dtype = group.storable_dtype
         for read in reads:
-            read.attrs["dtype"] = _type(dtype)
-            stack = [TensorRef(read.name)]
-            while stack:
-                ref = stack.pop()
-                for consumer, position in list(self.graph.uses(ref)):
-                    node = self.graph.nodes.get(consumer)
-                    if node is None or position != 0 or node.op not in READ_THROUGH:
-                        continue
-                    if node.op == "Cast":
-                        node.attrs["SrcT"] = _type(dtype)
-                        if node.attrs["DstT"].type == dtype:  # now Cast(bf16 -> bf16): bypass it
-                            self.graph.replace_all_uses_with(TensorRef(node.name), ref)
-                            self.graph.remove_if_unused(node.name)
-                        continue
-                    node.attrs["T"] = _type(dtype)
-                    stack.append(TensorRef(node.name))
+            read_in(self.graph, read, group.storable_dtype)
 
     def _float8(self, site: Site) -> None:
         node = self.graph.nodes[site.node]
