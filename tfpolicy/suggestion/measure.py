@@ -214,12 +214,14 @@ VARIABLE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 def stored_bytes(layer: LayerShape, policy: Any, quantized: bool) -> float:
     """Bytes the rewrite stores for ``layer`` under ``policy`` (a Keras DTypePolicy).
 
-    Variables take the policy's variable dtype; a quantized layer's kernels
+    Variables take the policy's compute dtype (a float32 variable read only
+    in bfloat16, as a ``mixed_bfloat16`` layer reads it, is stored in
+    bfloat16: :mod:`tfpolicy.passes.read_dtype`); a quantized layer's kernels
     take int8 (one byte, a float32 scale per output channel) or int4 (half a
-    byte, a scale per block); float8 keeps its kernel in the variable dtype,
-    as Keras does, and adds a few scalars.
+    byte, a scale per block); float8 keeps its kernel in the compute dtype
+    (stored quantize-dequantized) and adds a few scalars.
     """
-    per = VARIABLE_BYTES.get(policy.variable_dtype, 4)
+    per = VARIABLE_BYTES.get(policy.compute_dtype, VARIABLE_BYTES.get(policy.variable_dtype, 4))
     mode = getattr(policy, "quantization_mode", None) if quantized else None
     total = layer.other_elements * per
     for shape in layer.kernels:
