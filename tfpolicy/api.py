@@ -27,10 +27,10 @@ from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import PassManager
 from tfpolicy.passes.calibration import CalibrationPass
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
-from tfpolicy.passes.read_dtype import storable_in_read_dtype, store_in_read_dtype
 from tfpolicy.passes.function_args import FunctionArgs
 from tfpolicy.passes.quant_variables import build_variables
 from tfpolicy.passes.quantize import CalibrationTaps, QuantizePass
+from tfpolicy.passes.read_dtype import storable_in_read_dtype, store_in_read_dtype
 from tfpolicy.passes.wide_kernels import WideKernelsPass
 from tfpolicy.report import Report, SignatureReport, quantization_rows
 from tfpolicy.serving import checks as serving

@@ -65,7 +65,6 @@ from tfpolicy.core.tf_names import type_attr as _type
 from tfpolicy.core.tf_names import type_list_attr as _types
 from tfpolicy.passes import PassResult
 from tfpolicy.passes.float8_rounding import clip_and_round_to_float8
-from tfpolicy.passes.read_dtype import read_in
 from tfpolicy.passes.function_args import FunctionArgs
 from tfpolicy.passes.int4 import Int4Rewrites
 from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the formulas' constants, the variables)
@@ -81,6 +80,7 @@ from tfpolicy.passes.quant_variables import (  # noqa: F401  (re-exported: the f
     build_variables,
     chunk_sizes,
 )
+from tfpolicy.passes.read_dtype import read_in
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ half the bytes, and no call casts its kernels again::
 
 from __future__ import annotations
 
-from tfpolicy.analysis.quant_sites import control_flow_bodies
 from tfpolicy.analysis.layer_index import LayerIndex
+from tfpolicy.analysis.quant_sites import control_flow_bodies
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.savedmodel_io import LoadedModel
 from tfpolicy.core.tf_names import DT_BFLOAT16, DT_FLOAT, DT_HALF, TensorRef
