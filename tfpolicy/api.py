@@ -320,7 +320,7 @@ def _run(input_path, output_path, policy_map, signatures, target=None, int8_conv
     passes = _run_passes(model, index, the_plan, qplan, variable_dtypes, new_variables, chosen)
     # float32 variables read only as bfloat16 (float16) are stored so: the same bits, half the bytes, no Casts.
     replaced = {spec.replaces for spec in new_variables.values() if spec.replaces is not None}
-    narrowed = storable_in_read_dtype(model, index, skip=set(variable_dtypes) | set(qplan.integer_kernels) | replaced)
+    narrowed = storable_in_read_dtype(model, index, skip=set(variable_dtypes) | replaced)  # replaced: int8, int4, float8
     store_in_read_dtype(model, index, narrowed)
     variable_dtypes.update(narrowed)
     clamped = sum(s.constants_clamped for s in passes.signature_reports)

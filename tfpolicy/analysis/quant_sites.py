@@ -270,7 +270,7 @@ def _describe(node: Node) -> str:
 # -- variable decisions ----------------------------------------------------------------
 
 
-def _variable_uses(model: LoadedModel, index: LayerIndex) -> Iterator[tuple[Graph, Node, int, bool]]:
+def variable_uses(model: LoadedModel, index: LayerIndex) -> Iterator[tuple[Graph, Node, int, bool]]:
     """Every (graph, node, uid, in a While/If body) where a node takes a variable's handle."""
     for program in model.signatures.values():
         bodies = control_flow_bodies(program.all_graphs())
@@ -302,7 +302,7 @@ def _check_variables(model: LoadedModel, index: LayerIndex, sites: list[Site]):
             int8_axes.setdefault(site.variable_uid, set()).add(site.kernel_reduced_axes)
     blocked = {uid: "its kernel is contracted over different axes at another op"
                for uid, axes in int8_axes.items() if len(axes) > 1}
-    for graph, node, uid, in_body in _variable_uses(model, index):
+    for graph, node, uid, in_body in variable_uses(model, index):
         if uid not in int8_axes or uid in blocked:
             continue
         if node.op not in VARIABLE_READS and node.op not in PASS_HANDLES:

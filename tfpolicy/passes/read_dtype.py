@@ -14,7 +14,7 @@ half the bytes, and no call casts its kernels again::
 from __future__ import annotations
 
 from tfpolicy.analysis.layer_index import LayerIndex
-from tfpolicy.analysis.quant_sites import control_flow_bodies
+from tfpolicy.analysis.quant_sites import PASS_HANDLES, variable_uses
 from tfpolicy.core.graph import Graph, Node
 from tfpolicy.core.savedmodel_io import LoadedModel
 from tfpolicy.core.tf_names import DT_BFLOAT16, DT_FLOAT, DT_HALF, TensorRef
@@ -23,40 +23,30 @@ from tfpolicy.core.tf_names import type_attr as _type
 # Ops a read's value may pass through on its way to the Cast: they move values, never compute on them.
 READ_THROUGH = {"Identity": "T", "Transpose": "T", "Reshape": "T", "ExpandDims": "T", "GatherV2": "Tparams"}  # -> dtype attr
 READS = frozenset({"ReadVariableOp", "ResourceGather"})
-# Ops that hand a variable's handle on to a graph whose own reads are looked at.
-HANDS_ON = frozenset({"Identity", "IdentityN", "PartitionedCall", "StatefulPartitionedCall", "While", "StatelessWhile",
-                      "If", "StatelessIf", "Case", "StatelessCase"})
 NARROWER = frozenset({DT_BFLOAT16, DT_HALF})
 
 
 def storable_in_read_dtype(model: LoadedModel, index: LayerIndex, skip: set[int]) -> dict[int, int]:
     """float32 variables (not in ``skip``) whose every read is cast to one 16-bit float dtype: uid -> that dtype.
 
-    Every node that takes the variable's handle, in every signature and
-    function outside While/If bodies (a variable used in one keeps its
-    dtype), must hand it on (a call, a loop) or read it as float32
-    (``ReadVariableOp``, ``ResourceGather``), and every read's value must
-    reach only Casts to the dtype, through :data:`READ_THROUGH` ops, and no
-    graph output.
+    Every node that takes the variable's handle (:func:`variable_uses`), in
+    every signature and function outside While/If bodies (a variable used in
+    one keeps its dtype), must hand it on (a call, a loop) or read it as
+    float32 (``ReadVariableOp``, ``ResourceGather``), and every read's value
+    must reach only Casts to the dtype, through :data:`READ_THROUGH` ops, and
+    no graph output.
     """
     dtypes: dict[int, set[int]] = {}
     bad: set[int] = set(skip)
-    for program in model.signatures.values():
-        bodies = control_flow_bodies(program.all_graphs())
-        for graph in program.all_graphs():
-            for node in graph.nodes.values():
-                if node.op in HANDS_ON and graph.name not in bodies:
-                    continue
-                for _, ref in node.data_inputs():
-                    uid = index.variable_of(program.key, graph, ref)
-                    if uid is None or uid in bad:
-                        continue
-                    read = node.op in READS and node.attrs["dtype"].type == DT_FLOAT and graph.name not in bodies
-                    cast_to = _cast_to(graph, node) if read else None
-                    if cast_to is None:
-                        bad.add(uid)
-                    else:
-                        dtypes.setdefault(uid, set()).add(cast_to)
+    for graph, node, uid, in_body in variable_uses(model, index):
+        if uid in bad or (node.op in PASS_HANDLES and not in_body):
+            continue
+        read = node.op in READS and node.attrs["dtype"].type == DT_FLOAT and not in_body
+        cast_to = _cast_to(graph, node) if read else None
+        if cast_to is None:
+            bad.add(uid)
+        else:
+            dtypes.setdefault(uid, set()).add(cast_to)
     return {uid: found.pop() for uid, found in dtypes.items()
             if uid not in bad and len(found) == 1 and index.variables[uid].dtype == DT_FLOAT}
 
