@@ -49,12 +49,16 @@ CASES = [(model, which) for model in realmodels.MODELS for which in _MAPS.get(mo
          and (model, which) not in {**realmodels.KERAS_CANNOT, **realmodels.UNSEEN_CASTS}]
 
 
+Served = tuple[dict[str, tuple], dict[str, np.ndarray]]  # signature specs, serving_default's outputs
+
+
 class RealZoo:
-    """Exports each real model at most once per session, when a test first asks."""
+    """Exports each real model at most once per session, when a test first asks; and serves it once."""
 
     def __init__(self, root: pathlib.Path) -> None:
         self._root = root
         self._built: dict[str, realmodels.RealModel] = {}
+        self._served: dict[str, Served] = {}
         self._lock = threading.Lock()
 
     def get(self, name: str) -> realmodels.RealModel:
@@ -63,18 +67,26 @@ class RealZoo:
                 self._built[name] = realmodels.build(name, self._root / name)
             return self._built[name]
 
+    def served(self, name: str) -> Served:
+        """The float32 export's signature specs and its outputs on the model's inputs (every map compares with them)."""
+        model = self.get(name)
+        with self._lock:
+            if name not in self._served:
+                self._served[name] = _specs_and_outputs(model.saved_model_dir, model.inputs)
+            return self._served[name]
+
 
 @pytest.fixture(scope="session")
 def real_zoo(tmp_path_factory: pytest.TempPathFactory) -> RealZoo:
     return RealZoo(tmp_path_factory.mktemp("real_zoo"))
 
 
-def _specs(directory: pathlib.Path) -> dict[str, tuple]:
+def _specs_and_outputs(directory: pathlib.Path, inputs: dict[str, np.ndarray]) -> Served:
+    """Every signature's specs, and ``serving_default``'s outputs on ``inputs`` (as float32), from one load."""
     loaded = tf.saved_model.load(str(directory))
-    return {
-        key: (fn.structured_input_signature, fn.structured_outputs)
-        for key, fn in sorted(loaded.signatures.items())
-    }
+    specs = {key: (fn.structured_input_signature, fn.structured_outputs)
+             for key, fn in sorted(loaded.signatures.items())}
+    return specs, realmodels.run_signature(loaded.signatures["serving_default"], inputs)
 
 
 @pytest.mark.parametrize(("name", "which"), CASES, ids=[f"{m}-{w}" for m, w in CASES])
@@ -92,10 +104,9 @@ def test_rewrites_with_defaults_as_faithfully_as_keras(real_zoo, tmp_path, name,
     assert checks is not None and checks.signatures
     assert all(s.tf1_ran for s in checks.signatures), checks.to_json()
     assert all(s.xla_compiles for s in checks.signatures), checks.to_json()
-    assert _specs(out) == _specs(model.saved_model_dir)  # names, dtypes, static dimensions
-
-    y_ref = realmodels.run_saved_model(model.saved_model_dir, model.inputs)
-    y_tool = realmodels.run_saved_model(out, model.inputs)
+    specs_ref, y_ref = real_zoo.served(name)
+    specs_tool, y_tool = _specs_and_outputs(out, model.inputs)
+    assert specs_tool == specs_ref  # names, dtypes, static dimensions
     assert all(np.isfinite(v).all() for v in y_tool.values())
     e_tool = realmodels.relative_error(y_tool, y_ref)
     assert e_tool > 0  # the map changed something
@@ -180,7 +191,7 @@ def test_bert_under_mixed_float16_with_a_padding_mask_stays_finite(real_zoo, tmp
     assert (model.inputs["padding_mask"] == 0).any()  # some tokens are hidden
     plain = {"default_policy": "mixed_float16"}
     tfpolicy.rewrite(model.saved_model_dir, tmp_path / "out", plain)
-    y_ref = realmodels.run_saved_model(model.saved_model_dir, model.inputs)
+    y_ref = real_zoo.served("bert")[1]
     y_tool = realmodels.run_saved_model(tmp_path / "out", model.inputs)
     assert all(np.isfinite(v).all() for v in y_tool.values())
     e_keras = realmodels.relative_error(realmodels.keras_native(model, plain), y_ref)

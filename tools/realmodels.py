@@ -570,7 +570,13 @@ def _as_dict(to_numpy: Callable, outputs: Any) -> dict[str, np.ndarray]:
 def run_saved_model(directory: pathlib.Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     import tensorflow as tf  # noqa: PLC0415
 
-    fn = tf.saved_model.load(str(directory)).signatures["serving_default"]
+    return run_signature(tf.saved_model.load(str(directory)).signatures["serving_default"], inputs)
+
+
+def run_signature(fn: Callable[..., Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A loaded signature's outputs on ``inputs``, as float32 arrays in sorted key order."""
+    import tensorflow as tf  # noqa: PLC0415
+
     out = fn(**{k: tf.constant(v) for k, v in inputs.items()})
     return {k: np.asarray(v.numpy(), dtype=np.float32) for k, v in sorted(out.items())}
 
