@@ -169,6 +169,32 @@ def test_remove_if_unused_deletes_a_dead_chain_and_keeps_what_is_read():
     assert graph.remove_if_unused("x") == []  # a graph input stays
 
 
+def test_share_constants_keeps_one_of_each_value_and_what_must_stay():
+    import numpy as np  # noqa: PLC0415
+
+    graph = Graph("tiny")
+    graph.add_node("Placeholder", "x", [], {"dtype": _type(F32)})
+    for name, value in (("a/tfpolicy/eps", 1e-7), ("b/tfpolicy/eps", 1e-7), ("c/tfpolicy/eps", 2e-7),
+                        ("d/tfpolicy/eps", 1e-7), ("e/tfpolicy/eps", 1e-7), ("user_eps", 1e-7), ("f/tfpolicy/eps", 1e-7)):
+        graph.add_const(name, np.float32(value))
+    graph.add_const("g/tfpolicy/eps_half", np.float16(1e-7))  # another dtype: another value
+    for i, name in enumerate(("a/tfpolicy/eps", "b/tfpolicy/eps", "c/tfpolicy/eps", "user_eps", "f/tfpolicy/eps")):
+        graph.add_node("AddV2", f"add_{i}", ["x", name], {"T": _type(F32)})
+    graph.add_node("NoOp", "after_d", ["^d/tfpolicy/eps"], {})  # a control input: kept
+    graph.outputs["e"] = TensorRef("e/tfpolicy/eps")  # a graph output: kept
+
+    removed = graph.share_constants(lambda name: "tfpolicy" in name.split("/"))
+
+    assert removed == 2  # b and f (user_eps is not the rewrite's own)
+    assert "b/tfpolicy/eps" not in graph.nodes and "f/tfpolicy/eps" not in graph.nodes
+    assert {"a/tfpolicy/eps", "c/tfpolicy/eps", "d/tfpolicy/eps", "e/tfpolicy/eps", "user_eps",
+            "g/tfpolicy/eps_half"} <= set(graph.nodes)
+    reads = {name: graph.nodes[name].inputs[1] for name in ("add_0", "add_1", "add_2", "add_3", "add_4")}
+    assert reads == {"add_0": "a/tfpolicy/eps", "add_1": "a/tfpolicy/eps", "add_2": "c/tfpolicy/eps",
+                     "add_3": "user_eps", "add_4": "a/tfpolicy/eps"}
+    assert graph.verify() == []
+
+
 # -- graph verification and the pass manager --------------------------------------
 
 

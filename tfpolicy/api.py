@@ -25,6 +25,7 @@ from tfpolicy.core import assemble, checkpoints, paths, savedmodel_io, savedmode
 from tfpolicy.core.assemble import NewVariable
 from tfpolicy.errors import StrictModeError, UnsupportedPolicyError
 from tfpolicy.passes import PassManager
+from tfpolicy.passes.builder import CAPTURE_SCOPE
 from tfpolicy.passes.calibration import CalibrationPass
 from tfpolicy.passes.float_precision import FloatPrecisionPass, choose_variable_dtypes
 from tfpolicy.passes.function_args import FunctionArgs
@@ -323,6 +324,9 @@ def _run(input_path, output_path, policy_map, signatures, target=None, int8_conv
     narrowed = storable_in_read_dtype(model, index, skip=set(variable_dtypes) | replaced)  # replaced: int8, int4, float8
     store_in_read_dtype(model, index, narrowed)
     variable_dtypes.update(narrowed)
+    for program in model.signatures.values():  # each quantized site's shapes, axes and bounds, once per graph
+        for graph in program.all_graphs():
+            graph.share_constants(lambda name: CAPTURE_SCOPE in name.split("/"))
     clamped = sum(s.constants_clamped for s in passes.signature_reports)
     if clamped:
         warnings.append(

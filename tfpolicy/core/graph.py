@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterable, Iterator, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 from tensorflow.core.framework import attr_value_pb2, op_def_pb2
 
@@ -308,6 +308,33 @@ class Graph:
             del self.nodes[node.name]
             removed.append(node.name)
         return removed
+
+    def share_constants(self, removable: Callable[[str], bool]) -> int:
+        """Make the nodes that read equal constants read one, and delete the copies; returns how many went.
+
+        Two ``Const`` nodes are equal when their dtype, value and device are;
+        the first in node order stays. Only nodes ``removable`` accepts go, and
+        none that has or is a control input or is a graph output. (The
+        rewrite builds a few constants per quantized site, the same few for
+        every site: left to grappler's first passes, they cost every load of
+        the output time.)
+        """
+        controlled = {text[1:] for node in self.nodes.values() for text in node.inputs if text[:1] == "^"}
+        outputs = {ref.node for ref in self.outputs.values()}
+        first: dict[tuple, str] = {}
+        copies: dict[str, str] = {}
+        for node in self.nodes.values():
+            if node.op != "Const" or node.inputs or node.name in controlled or node.name in outputs:
+                continue
+            key = (node.attrs["dtype"].type, node.attrs["value"].SerializeToString(deterministic=True), node.device)
+            if key not in first:
+                first[key] = node.name
+            elif removable(node.name):
+                copies[node.name] = first[key]
+        for name, kept in copies.items():
+            self.replace_all_uses_with(TensorRef(name), TensorRef(kept))
+            del self.nodes[name]
+        return len(copies)
 
     def add_const(self, name: str, value: "np.ndarray", device: str = "") -> Node:
         """A ``Const`` node holding ``value`` (its dtype and shape)."""
