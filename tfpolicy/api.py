@@ -327,6 +327,9 @@ def _run(input_path, output_path, policy_map, signatures, target=None, int8_conv
     for program in model.signatures.values():  # each quantized site's shapes, axes and bounds, once per graph
         for graph in program.all_graphs():
             graph.share_constants(lambda name: CAPTURE_SCOPE in name.split("/"))
+    for row in passes.signature_reports:  # the Casts the output has (a variable stored in bfloat16 needs none)
+        inserted = [(graph, name) for graph, stats in passes.float_results[row.same_as or row.key] for name in stats.inserted]
+        row.casts_inserted = sum(name in graph.nodes and graph.nodes[name].op == "Cast" for graph, name in inserted)
     clamped = sum(s.constants_clamped for s in passes.signature_reports)
     if clamped:
         warnings.append(
@@ -365,6 +368,7 @@ class _PassesDone:
     new_captures: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # signature -> placeholders
     quantized: dict[str, int] = dataclasses.field(default_factory=dict)  # layer -> ops quantized
     calibration: Optional[tuple[str, dict]] = None  # (signature, calibrate outputs)
+    float_results: dict[str, list] = dataclasses.field(default_factory=dict)  # signature -> [(graph, GraphStats)]
 
 
 def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variables, chosen) -> _PassesDone:
@@ -391,6 +395,7 @@ def _run_passes(model, index, the_plan: Plan, qplan, variable_dtypes, new_variab
                        if program.key == calibration_target else None)
         results = PassManager([*float_passes, *wide_passes, *quantize_passes, *([calibration] if calibration else [])]).run()
         float_results = [(p.graph, results[p.name].stats) for p in float_passes]
+        done.float_results[program.key] = float_results
         quantize_results = [results[p.name].stats for p in quantize_passes]
         captures = {placeholder: name for q in quantize_results for placeholder, name in q.new_captures.items()}
         if calibration is not None and results[calibration.name].modified:

@@ -84,6 +84,7 @@ class GraphStats:
     casts_reused: int = 0
     casts_folded: int = 0
     constants_clamped: int = 0
+    inserted: list[str] = dataclasses.field(default_factory=list)  # the inserted Casts' names
 
     def decline(self, layer: Optional[str], reason: str) -> None:
         self.declined.setdefault(layer, collections.Counter())[reason] += 1
