@@ -427,11 +427,13 @@ def _converted_rows(variable_dtypes: dict[int, int], index) -> list[dict]:
 
 
 def _signature_report(program, float_results, quantize_result, retyped, declined) -> SignatureReport:
-    """One signature's row, from its passes' results: ``float_results`` as (graph, GraphStats)."""
+    """One signature's row, from its passes' results: ``float_results`` as (graph, GraphStats).
+
+    Its Casts are counted in :func:`_run`, once the steps after the passes have removed those no read needs.
+    """
     sig_report = SignatureReport(program.key)
     changed = 0
     for graph, stats in float_results:
-        sig_report.casts_inserted += stats.casts_inserted
         sig_report.casts_reused += stats.casts_reused
         sig_report.casts_folded += stats.casts_folded
         sig_report.constants_clamped += stats.constants_clamped

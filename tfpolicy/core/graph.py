@@ -287,7 +287,7 @@ class Graph:
         """
         removed: list[str] = []
         stack = [name]
-        controlled: Optional[set[str]] = None  # nodes some node waits on, read once per call
+        controlled: Optional[set[str]] = None  # read once per call
         while stack:
             node = self.nodes.get(stack.pop())
             if node is None or node.op in ("_Arg", "Placeholder") or tf_names.is_stateful(node.op):
@@ -297,7 +297,7 @@ class Graph:
             if any(self.uses(TensorRef(node.name, i)) for i in range(len(self.output_dtypes(node)))):
                 continue
             if controlled is None:
-                controlled = {text[1:] for other in self.nodes.values() for text in other.inputs if text[:1] == "^"}
+                controlled = self._control_sources()
             if node.name in controlled:
                 continue
             for position, used in node.data_inputs():
@@ -309,6 +309,10 @@ class Graph:
             removed.append(node.name)
         return removed
 
+    def _control_sources(self) -> set[str]:
+        """The nodes some node waits on (names of its control inputs)."""
+        return {name for node in self.nodes.values() for name in node.control_inputs()}
+
     def share_constants(self, removable: Callable[[str], bool]) -> int:
         """Make the nodes that read equal constants read one, and delete the copies; returns how many went.
 
@@ -319,7 +323,7 @@ class Graph:
         every site: left to grappler's first passes, they cost every load of
         the output time.)
         """
-        controlled = {text[1:] for node in self.nodes.values() for text in node.inputs if text[:1] == "^"}
+        controlled = self._control_sources()
         outputs = {ref.node for ref in self.outputs.values()}
         first: dict[tuple, str] = {}
         copies: dict[str, str] = {}

@@ -77,7 +77,6 @@ class CastBuilder:
             },
             device=producer.device,
         )
-        self.stats.casts_inserted += 1
         self.stats.inserted.append(cast.name)
         self._casts[key] = TensorRef(cast.name)
         return self._casts[key]

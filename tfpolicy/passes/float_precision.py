@@ -80,11 +80,14 @@ class GraphStats:
 
     retyped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     declined: dict = dataclasses.field(default_factory=dict)  # layer -> {reason: count}
-    casts_inserted: int = 0
+    inserted: list[str] = dataclasses.field(default_factory=list)  # the inserted Casts' names
     casts_reused: int = 0
     casts_folded: int = 0
     constants_clamped: int = 0
-    inserted: list[str] = dataclasses.field(default_factory=list)  # the inserted Casts' names
+
+    @property
+    def casts_inserted(self) -> int:
+        return len(self.inserted)
 
     def decline(self, layer: Optional[str], reason: str) -> None:
         self.declined.setdefault(layer, collections.Counter())[reason] += 1
